@@ -1,0 +1,18 @@
+"""GRPO baseline (DeepSeek-R1 style): no critic, group-relative advantages over `group_size` samples per prompt.
+
+Run: python experiments/train.py --config=configs/grpo.py
+"""
+
+from vcppo_jax.config import base_rl_config
+
+
+def get_config():
+    c = base_rl_config("grpo")
+    c.critic_init = "none"
+    c.critic_dir = ""
+    c.group_size = 8
+    c.prompts_per_step = 8
+    c.kl_coef = 0.001
+    c.kl_estimator = "k3"
+    c.grpo_normalize_std = True
+    return c

@@ -1,0 +1,365 @@
+"""Shared config builders and up-front validation for every entrypoint.
+
+Experiment files in `configs/` call one of the `base_*_config()` builders and override fields; every entrypoint
+calls `validate(config)` before building anything, so a bad value fails with a message naming the field and the
+allowed range, never inside a compile.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import ml_collections
+
+ALGORITHMS = ("vcppo", "ppo", "grpo")
+STAGES = ("sft", "reward_model", "value_pretrain", "rl")
+CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+DTYPES = ("float32", "bfloat16")
+TASKS = ("synthetic", "gsm8k", "math")
+
+
+class ConfigError(ValueError):
+    """A config field holds a value outside its allowed range."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Builders (pure data; experiment files override fields).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def model_config() -> ml_collections.ConfigDict:
+    """A tiny Qwen2-style decoder that trains on 2 CPU cores; `hf_path` loads a real checkpoint instead."""
+    return ml_collections.ConfigDict(
+            dict(
+                    hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
+                    vocab_size=0,  # 0 = take it from the tokenizer.
+                    hidden_size=128,
+                    intermediate_size=384,
+                    num_layers=4,
+                    num_heads=4,
+                    num_kv_heads=2,
+                    head_dim=0,  # 0 = hidden_size // num_heads.
+                    rope_theta=10000.0,
+                    rms_norm_eps=1e-6,
+                    qkv_bias=True,
+                    tie_embeddings=True,
+                    max_position_embeddings=1024,
+                    dtype="float32",
+                    remat=False,
+            ))
+
+
+def task_config() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+            dict(
+                    name="synthetic",
+                    data_dir="",  # '' = <workdir root>/tfds.
+                    tokenizer_path="",  # '' = the synthetic char-level tokenizer.
+                    train_split="train",
+                    test_split="test",
+                    knobs=ml_collections.ConfigDict(),  # task-specific difficulty knobs (e.g. num_terms for synthetic).
+                    max_prompt_len=48,
+                    max_response_len=256,
+            ))
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+
+
+def optim_config(lr: float) -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(
+            dict(lr=lr, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
+
+
+def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.stage = stage
+    c.seed = 0
+    c.workdir = workdir
+    c.model = model_config()
+    c.task = task_config()
+    c.mesh = mesh_config()
+    c.resume = True
+    c.log_every = 1
+    c.save_every = 50
+    c.max_to_keep = 2
+    c.max_bad_steps = 3  # consecutive non-finite losses before the run halts.
+    c.tensorboard = True
+    c.progress_bar = True
+    return c
+
+
+def sampling_config() -> ml_collections.ConfigDict:
+    return ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
+
+
+def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
+    """Defaults shared by VC-PPO, PPO and GRPO; `configs/<algorithm>.py` sets what differs."""
+    c = _common("rl", f"runs/default/{algorithm}")
+    c.algorithm = algorithm
+    # Where earlier stages live; missing ones are run by train.py itself when `run_missing_stages`.
+    c.sft_dir = "runs/default/sft"
+    c.critic_init = "value_pretrain"
+    c.critic_dir = "runs/default/value_pretrain"
+    c.run_missing_stages = True
+    # Advantage estimation (paper Algorithm 1).
+    c.gamma = 1.0
+    c.lambda_actor = 0.95
+    c.lambda_critic = 1.0
+    c.adaptive_lambda = False  # VAPO: lambda_actor = 1 - 1 / (alpha * length) per sequence.
+    c.adaptive_lambda_alpha = 0.05
+    c.whiten_advantages = True
+    c.grpo_normalize_std = True
+    # Objective.
+    c.clip_low = 0.2
+    c.clip_high = 0.2  # > clip_low = clip-higher (DAPO/VAPO).
+    c.dual_clip = 0.0  # 0 disables; otherwise > 1.
+    c.value_clip = 0.0  # 0 disables.
+    c.loss_agg = "token-mean"
+    c.kl_coef = 0.0
+    c.kl_estimator = "k3"
+    c.kl_in_reward = False
+    c.entropy_coef = 0.0
+    c.nll_coef = 0.0  # VAPO positive-example LM loss weight.
+    c.reward_correct = 1.0
+    c.reward_wrong = -1.0
+    # Rollouts.
+    c.prompts_per_step = 16
+    c.group_size = 4
+    c.sampling = sampling_config()
+    # Updates.
+    c.num_epochs = 1
+    c.num_minibatches = 4
+    c.actor_optim = optim_config(1e-5)
+    c.critic_optim = optim_config(5e-5)
+    c.logprob_chunk = 128
+    # Loop.
+    c.num_steps = 100
+    c.eval_every = 20
+    c.eval_prompts = 64
+    c.diag_buckets = 16  # token-position buckets for the value/advantage-by-position diagnostics.
+    c.diag_early_tokens = 16
+    return c
+
+
+def base_sft_config() -> ml_collections.ConfigDict:
+    c = _common("sft", "runs/default/sft")
+    c.batch_size = 32
+    c.num_steps = 600
+    c.direct_fraction = 0.3  # fraction of traces in short "direct answer" style (lets a policy collapse to short).
+    c.optim = optim_config(1e-3)
+    c.optim.warmup_steps = 50
+    c.eval_every = 200
+    c.eval_prompts = 64
+    c.sampling = sampling_config()
+    return c
+
+
+def base_value_config(stage: str) -> ml_collections.ConfigDict:
+    """Value pretraining (stage='value_pretrain') and outcome reward model (stage='reward_model') share a layout."""
+    c = _common(stage, f"runs/default/{stage}")
+    c.sft_dir = "runs/default/sft"
+    c.run_missing_stages = True
+    c.critic_init = "actor"  # value_pretrain may also start from 'reward_model' (set critic_dir).
+    c.critic_dir = ""
+    c.prompts_per_step = 16
+    c.group_size = 4
+    c.num_minibatches = 2
+    c.sampling = sampling_config()
+    c.optim = optim_config(3e-4)
+    c.optim.warmup_steps = 10
+    c.gamma = 1.0
+    c.reward_correct = 1.0
+    c.reward_wrong = -1.0
+    c.min_steps = 20
+    c.max_steps = 200
+    # Converged when, over the last `converge_window` steps vs the window before, value loss changed by less than
+    # `converge_rtol` (relative) and explained variance by less than `converge_atol`.
+    c.converge_window = 10
+    c.converge_rtol = 0.05
+    c.converge_atol = 0.02
+    c.logprob_chunk = 128
+    return c
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Validation.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fail(field: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"config.{field}={value!r} is invalid: {allowed}.")
+
+
+def _check_range(c, field: str, lo: float, hi: float, *, lo_open=False, hi_open=False) -> None:
+    v = _get(c, field)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v):
+        _fail(field, v, "must be a finite number")
+    bad = (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi)
+    if bad:
+        lb = "(" if lo_open else "["
+        rb = ")" if hi_open else "]"
+        _fail(field, v, f"must be in {lb}{lo}, {hi}{rb}")
+
+
+def _check_int(c, field: str, lo: int, hi: int | None = None) -> None:
+    v = _get(c, field)
+    if not isinstance(v, int) or isinstance(v, bool) or v < lo or (hi is not None and v > hi):
+        _fail(field, v, f"must be an integer >= {lo}" + (f" and <= {hi}" if hi is not None else ""))
+
+
+def _check_choice(c, field: str, choices: Iterable[str]) -> None:
+    v = _get(c, field)
+    if v not in tuple(choices):
+        _fail(field, v, f"must be one of {tuple(choices)}")
+
+
+def _get(c, field: str) -> Any:
+    for part in field.split("."):
+        if part not in c:
+            raise ConfigError(f"config.{field} is missing.")
+        c = c[part]
+    return c
+
+
+def _validate_common(c) -> None:
+    _check_choice(c, "stage", STAGES)
+    _check_int(c, "seed", 0)
+    if not c.workdir:
+        _fail("workdir", c.workdir, "must be a non-empty path")
+    m = c.model
+    if not m.hf_path:
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+            _check_int(c, f"model.{f}", 1)
+        _check_int(c, "model.vocab_size", 0)
+        _check_int(c, "model.head_dim", 0)
+        if m.num_heads % m.num_kv_heads:
+            _fail("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}")
+        if not m.head_dim and m.hidden_size % m.num_heads:
+            _fail("model.hidden_size", m.hidden_size, f"must be divisible by model.num_heads={m.num_heads} "
+                  "(or set model.head_dim)")
+        _check_range(c, "model.rope_theta", 0.0, float("inf"), lo_open=True, hi_open=True)
+        _check_range(c, "model.rms_norm_eps", 0.0, 1.0, lo_open=True)
+    _check_choice(c, "model.dtype", DTYPES)
+    _check_choice(c, "task.name", TASKS)
+    _check_int(c, "task.max_prompt_len", 1)
+    _check_int(c, "task.max_response_len", 1)
+    for axis in ("data", "fsdp", "tensor"):
+        v = c.mesh[axis]
+        if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
+            _fail(f"mesh.{axis}", v, "must be a positive integer or -1 (fill the remaining devices)")
+    if sum(c.mesh[a] == -1 for a in ("data", "fsdp", "tensor")) > 1:
+        raise ConfigError("config.mesh: at most one of data/fsdp/tensor may be -1.")
+    for f in ("log_every", "save_every", "max_to_keep", "max_bad_steps"):
+        _check_int(c, f, 1)
+
+
+def _validate_optim(c, field: str) -> None:
+    _check_range(c, f"{field}.lr", 0.0, 1.0, lo_open=True)
+    _check_int(c, f"{field}.warmup_steps", 0)
+    _check_range(c, f"{field}.weight_decay", 0.0, 1.0)
+    _check_range(c, f"{field}.grad_clip", 0.0, float("inf"), hi_open=True)  # 0 disables clipping.
+    _check_range(c, f"{field}.b1", 0.0, 1.0, hi_open=True)
+    _check_range(c, f"{field}.b2", 0.0, 1.0, hi_open=True)
+    _check_range(c, f"{field}.eps", 0.0, 1.0, lo_open=True)
+
+
+def _validate_sampling(c) -> None:
+    _check_range(c, "sampling.temperature", 0.0, float("inf"), hi_open=True)  # 0 = greedy.
+    _check_int(c, "sampling.top_k", 0)
+    _check_range(c, "sampling.top_p", 0.0, 1.0, lo_open=True)
+
+
+def _validate_minibatching(c, batch: int) -> None:
+    _check_int(c, "num_minibatches", 1)
+    if batch % c.num_minibatches:
+        raise ConfigError(
+                f"config.num_minibatches={c.num_minibatches} must divide the rollout batch prompts_per_step*group_size="
+                f"{c.prompts_per_step}*{c.group_size}={batch}.")
+
+
+def _validate_rl(c) -> None:
+    _check_choice(c, "algorithm", ALGORITHMS)
+    _check_choice(c, "critic_init", CRITIC_INITS)
+    for f in ("gamma", "lambda_actor", "lambda_critic"):
+        _check_range(c, f, 0.0, 1.0)
+    _check_range(c, "adaptive_lambda_alpha", 0.0, float("inf"), lo_open=True, hi_open=True)
+    _check_range(c, "clip_low", 0.0, 1.0, lo_open=True, hi_open=True)
+    _check_range(c, "clip_high", 0.0, float("inf"), lo_open=True, hi_open=True)
+    if c.dual_clip != 0:
+        _check_range(c, "dual_clip", 1.0, float("inf"), lo_open=True, hi_open=True)
+    _check_range(c, "value_clip", 0.0, float("inf"), hi_open=True)
+    _check_choice(c, "loss_agg", LOSS_AGG_MODES)
+    _check_choice(c, "kl_estimator", KL_ESTIMATORS)
+    for f in ("kl_coef", "entropy_coef", "nll_coef"):
+        _check_range(c, f, 0.0, float("inf"), hi_open=True)
+    _check_int(c, "prompts_per_step", 1)
+    _check_int(c, "group_size", 1)
+    _check_int(c, "num_epochs", 1)
+    _validate_minibatching(c, c.prompts_per_step * c.group_size)
+    _validate_sampling(c)
+    _validate_optim(c, "actor_optim")
+    _check_int(c, "logprob_chunk", 1)
+    _check_int(c, "num_steps", 0)
+    _check_int(c, "eval_every", 1)
+    _check_int(c, "eval_prompts", 1)
+    _check_int(c, "diag_buckets", 1)
+    _check_int(c, "diag_early_tokens", 1)
+    if c.reward_correct <= c.reward_wrong:
+        _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
+    if c.algorithm == "grpo":
+        if c.group_size < 2:
+            _fail("group_size", c.group_size, "must be >= 2 for GRPO (advantages are relative within a group)")
+        if c.critic_init != "none":
+            _fail("critic_init", c.critic_init, "must be 'none' for GRPO (it has no critic)")
+    else:
+        if c.critic_init == "none":
+            _fail("critic_init", c.critic_init, f"needs a critic for algorithm={c.algorithm!r}; use one of "
+                        f"{CRITIC_INITS[:-1]}")
+        _validate_optim(c, "critic_optim")
+        if c.critic_init in ("value_pretrain", "reward_model") and not c.critic_dir:
+            _fail("critic_dir", c.critic_dir, f"must name a checkpoint directory when critic_init={c.critic_init!r}")
+
+
+def _validate_value(c) -> None:
+    _check_choice(c, "critic_init", ("actor", "reward_model"))
+    if c.critic_init == "reward_model" and not c.critic_dir:
+        _fail("critic_dir", c.critic_dir, "must name a reward-model checkpoint when critic_init='reward_model'")
+    _check_int(c, "prompts_per_step", 1)
+    _check_int(c, "group_size", 1)
+    _validate_minibatching(c, c.prompts_per_step * c.group_size)
+    _validate_sampling(c)
+    _validate_optim(c, "optim")
+    _check_range(c, "gamma", 0.0, 1.0)
+    _check_int(c, "min_steps", 0)
+    _check_int(c, "max_steps", 1)
+    if c.min_steps > c.max_steps:
+        _fail("min_steps", c.min_steps, f"must be <= config.max_steps={c.max_steps}")
+    _check_int(c, "converge_window", 1)
+    _check_range(c, "converge_rtol", 0.0, float("inf"), hi_open=True)
+    _check_range(c, "converge_atol", 0.0, float("inf"), hi_open=True)
+    _check_int(c, "logprob_chunk", 1)
+    if c.reward_correct <= c.reward_wrong:
+        _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
+
+
+def _validate_sft(c) -> None:
+    _check_int(c, "batch_size", 1)
+    _check_int(c, "num_steps", 0)
+    _check_range(c, "direct_fraction", 0.0, 1.0)
+    _validate_optim(c, "optim")
+    _validate_sampling(c)
+    _check_int(c, "eval_every", 1)
+    _check_int(c, "eval_prompts", 1)
+
+
+def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """Checks every field an entrypoint reads; raises `ConfigError` naming the first bad field. Returns `config`."""
+    _validate_common(config)
+    {"rl": _validate_rl, "sft": _validate_sft, "value_pretrain": _validate_value,
+      "reward_model": _validate_value}[config.stage](config)
+    return config
