@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from testutil import abstract_params, random_params
 from vcppo_jax.models import (CausalLM, KVCache, ModelConfig, ValueModel, attention_mask, critic_params_from_actor,
                               init_cache, init_params, param_logical_axes, position_ids, token_logprobs)
 
@@ -17,26 +18,9 @@ PADS = np.array([0, 3, 5])  # left padding per row (row 2 has a single real prom
 B = len(PADS)
 
 
-def _abstract_params(model):
-    dummy = (jnp.zeros((1, 1), jnp.int32),) * 2 + (jnp.ones((1, 1), bool),)
-    return jax.eval_shape(lambda r: model.init(r, *dummy), jax.random.key(0))
-
-
-def _random_params(model, seed=0):
-    """O(1)-scale values instead of the init (std 0.02, unit norms, zero biases), so that every term matters.
-
-    Built from the abstract tree with numpy: compiling the random init costs seconds on a busy CPU.
-    """
-    rng = np.random.default_rng(seed)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(nn.unbox(_abstract_params(model)))
-    leaves = [((1.0 if "norm" in jax.tree_util.keystr(path) else 0.0)
-               + 0.15 * rng.standard_normal(x.shape)).astype(x.dtype) for path, x in flat]
-    return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
-
-
 @pytest.fixture(scope="module")
 def params():
-    return _random_params(CausalLM(CFG))
+    return random_params(CausalLM(CFG))
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +147,7 @@ def test_bf16_compute_with_fp32_params(params, batch, full_logits):
     np.testing.assert_allclose(np.asarray(logits)[mask], full_logits[mask], atol=0.05 * scale)
     cache = init_cache(cfg, B, 4)
     assert cache.k.dtype == jnp.bfloat16
-    abstract = nn.unbox(_abstract_params(CausalLM(cfg.replace(param_dtype="bfloat16"))))
+    abstract = nn.unbox(abstract_params(CausalLM(cfg.replace(param_dtype="bfloat16"))))
     assert {x.dtype for x in jax.tree.leaves(abstract)} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -191,7 +175,7 @@ def test_remat_gives_same_outputs_and_grads(params, batch):
 @pytest.mark.parametrize("model", [CausalLM(CFG), CausalLM(CFG.replace(tie_embeddings=True)), ValueModel(CFG)],
                          ids=["causal_lm", "causal_lm_tied", "value_model"])
 def test_logical_axis_names_on_every_param(model):
-    abstract = _abstract_params(model)
+    abstract = abstract_params(model)
     boxes = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     assert boxes and all(isinstance(b, nn.LogicallyPartitioned) for b in boxes)
     specs = param_logical_axes(model)

@@ -1,0 +1,22 @@
+"""Helpers shared by tests: random params built with numpy (compiling the random init costs seconds on CPU)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def abstract_params(model: nn.Module):
+    """Boxed abstract variables of a CausalLM/ValueModel (shapes and logical axes, no FLOPs)."""
+    dummy = (jnp.zeros((1, 1), jnp.int32),) * 2 + (jnp.ones((1, 1), bool),)
+    return jax.eval_shape(lambda r: model.init(r, *dummy), jax.random.key(0))
+
+
+def random_params(model: nn.Module, seed: int = 0, scale: float = 0.15) -> dict:
+    """Variables {'params': ...} with O(1)-scale values (norm scales ~1, everything else ~N(0, scale^2)), so that every
+    term of the network matters in a comparison."""
+    rng = np.random.default_rng(seed)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(nn.unbox(abstract_params(model)))
+    leaves = [((1.0 if "norm" in jax.tree_util.keystr(path) else 0.0)
+               + scale * rng.standard_normal(x.shape)).astype(x.dtype) for path, x in flat]
+    return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])

@@ -1,0 +1,51 @@
+"""Optimizers from config: global-norm clipping, AdamW, linear warmup then constant."""
+
+from __future__ import annotations
+
+import optax
+from flax import struct
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+
+def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
+    """`cfg` has lr, warmup_steps, weight_decay, grad_clip (0 = off), b1, b2, eps."""
+    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
+    return optax.chain(*parts)
+
+
+def learning_rate(cfg: ml_collections.ConfigDict, step: jax.Array) -> jax.Array:
+    """The lr `make_optimizer(cfg)` applies at update `step` (for logging)."""
+    if not cfg.warmup_steps:
+        return jnp.asarray(cfg.lr, jnp.float32)
+    return cfg.lr * jnp.minimum(1.0, step / cfg.warmup_steps)
+
+
+@struct.dataclass
+class ModelState:
+    """Params plus optimizer state of one trained network; the transform itself stays outside (a closure)."""
+
+    params: dict
+    opt_state: optax.OptState
+    step: jax.Array  # number of applied updates (skipped non-finite updates do not count).
+
+
+def init_model_state(params, tx: optax.GradientTransformation) -> ModelState:
+    return ModelState(params=params, opt_state=tx.init(params), step=jnp.zeros((), jnp.int32))
+
+
+def apply_gradients(state: ModelState, grads, tx: optax.GradientTransformation, finite: jax.Array) -> ModelState:
+    """One optimizer update, or no change at all when `finite` is False (a NaN/inf loss or gradient)."""
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    return ModelState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
+                      step=state.step + finite.astype(jnp.int32))
+
+
+def all_finite(*trees) -> jax.Array:
+    leaves = [x for t in trees for x in jax.tree.leaves(t)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))

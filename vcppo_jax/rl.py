@@ -1,0 +1,275 @@
+"""The RL update shared by VC-PPO, PPO and GRPO (paper Algorithm 1).
+
+  rollout --make_experience--> old log-probs, ref log-probs, values, decoupled GAE (or group advantages)
+          --update--> epochs x minibatches of clipped-PPO actor steps and value-regression critic steps.
+
+Both are pure functions `f(state, batch) -> (state | experience, metrics)`, jitted once by the caller. A rollout is
+a dict in the shared layout (prompt left-padded to P, response right-padded to R):
+  tokens [B, P+R] int32, attn_mask [B, P+R] bool, response_mask [B, R] float32,
+  rewards [B, R] float32 (sequence reward at the last response token), seq_rewards [B] float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import struct
+
+from vcppo_jax import gae as gae_lib
+from vcppo_jax import losses
+from vcppo_jax import metrics as metrics_lib
+from vcppo_jax.models import position_ids, token_logprobs
+from vcppo_jax.optim import ModelState, all_finite, apply_gradients
+
+Batch = dict[str, jax.Array]
+
+
+@struct.dataclass
+class RLState:
+    actor: ModelState
+    critic: ModelState | None  # None for GRPO.
+    ref_params: Any  # frozen initial policy for the KL term; None when kl_coef == 0.
+    rng: jax.Array
+    step: jax.Array  # RL iterations done (== data position).
+
+
+@dataclasses.dataclass(frozen=True)
+class RLHparams:
+    """The static part of an RL config that the jitted functions close over."""
+
+    algorithm: str
+    prompt_len: int
+    group_size: int
+    gamma: float
+    lambda_actor: float
+    lambda_critic: float
+    adaptive_lambda: bool
+    adaptive_lambda_alpha: float
+    whiten_advantages: bool
+    grpo_normalize_std: bool
+    clip_low: float
+    clip_high: float
+    dual_clip: float | None
+    value_clip: float | None
+    loss_agg: str
+    kl_coef: float
+    kl_estimator: str
+    kl_in_reward: bool
+    entropy_coef: float
+    nll_coef: float
+    num_epochs: int
+    num_minibatches: int
+    logprob_chunk: int
+    temperature: float
+    diag_buckets: int
+    diag_early_tokens: int
+
+    @classmethod
+    def from_config(cls, c: ml_collections.ConfigDict) -> "RLHparams":
+        return cls(
+            algorithm=c.algorithm, prompt_len=c.task.max_prompt_len, group_size=c.group_size, gamma=c.gamma,
+            lambda_actor=c.lambda_actor, lambda_critic=c.lambda_critic, adaptive_lambda=c.adaptive_lambda,
+            adaptive_lambda_alpha=c.adaptive_lambda_alpha, whiten_advantages=c.whiten_advantages,
+            grpo_normalize_std=c.grpo_normalize_std, clip_low=c.clip_low, clip_high=c.clip_high,
+            dual_clip=c.dual_clip or None, value_clip=c.value_clip or None, loss_agg=c.loss_agg,
+            kl_coef=c.kl_coef, kl_estimator=c.kl_estimator, kl_in_reward=c.kl_in_reward,
+            entropy_coef=c.entropy_coef, nll_coef=c.nll_coef, num_epochs=c.num_epochs,
+            num_minibatches=c.num_minibatches, logprob_chunk=c.logprob_chunk,
+            temperature=c.sampling.temperature or 1.0, diag_buckets=c.diag_buckets,
+            diag_early_tokens=c.diag_early_tokens)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.algorithm != "grpo"
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Forward passes over the response part of a rollout.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _response_hidden(model: nn.Module, params, tokens: jax.Array, attn_mask: jax.Array, prompt_len: int):
+    """Hidden states that predict the response tokens: [B, R, D] (position P-1+t predicts response token t)."""
+    inputs, mask = tokens[:, :-1], attn_mask[:, :-1]
+    hidden, _ = model.apply({"params": params}, inputs, position_ids(mask), mask)
+    return hidden[:, prompt_len - 1:]
+
+
+def policy_logprobs(actor: nn.Module, params, tokens, attn_mask, *, prompt_len: int, chunk: int,
+                    temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-prob and entropy of the response tokens under `params`: ([B, R], [B, R])."""
+    hidden = _response_hidden(actor, params, tokens, attn_mask, prompt_len)
+    logits_fn = lambda h: actor.apply({"params": params}, h, method=type(actor).logits)
+    return token_logprobs(logits_fn, hidden, tokens[:, prompt_len:], chunk_size=chunk, temperature=temperature)
+
+
+def critic_values(critic: nn.Module, params, tokens, attn_mask, *, prompt_len: int) -> jax.Array:
+    """V(s_t) for each response token t: [B, R] (the value head at the position that predicts token t)."""
+    inputs, mask = tokens[:, :-1], attn_mask[:, :-1]
+    values = critic.apply({"params": params}, inputs, position_ids(mask), mask)
+    return values[:, prompt_len - 1:].astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Experience: everything the update needs, computed once per rollout with the pre-update networks.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None) -> Callable:
+    """Returns `make_experience(state, rollout) -> (experience, metrics)`."""
+    P = hp.prompt_len
+
+    def make_experience(state: RLState, rollout: Batch) -> tuple[Batch, dict]:
+        tokens, attn_mask, mask = rollout["tokens"], rollout["attn_mask"], rollout["response_mask"]
+        old_logp, entropy = policy_logprobs(actor, state.actor.params, tokens, attn_mask, prompt_len=P,
+                                            chunk=hp.logprob_chunk, temperature=hp.temperature)
+        if state.ref_params is not None:
+            ref_logp, _ = policy_logprobs(actor, state.ref_params, tokens, attn_mask, prompt_len=P,
+                                          chunk=hp.logprob_chunk, temperature=hp.temperature)
+        else:
+            ref_logp = old_logp
+        kl = losses.kl_penalty(old_logp, ref_logp, hp.kl_estimator) * mask
+        rewards = rollout["rewards"]
+        if hp.kl_in_reward and hp.kl_coef > 0:
+            rewards = rewards - hp.kl_coef * kl
+        lengths = mask.sum(axis=1)
+        m = {}
+        if hp.has_critic:
+            values = critic_values(critic, state.critic.params, tokens, attn_mask, prompt_len=P) * mask
+            lam_actor = (gae_lib.length_adaptive_lambda(lengths, hp.adaptive_lambda_alpha)
+                         if hp.adaptive_lambda else hp.lambda_actor)
+            advantages, returns = gae_lib.decoupled_gae(rewards, values, mask, gamma=hp.gamma,
+                                                        lambda_actor=lam_actor, lambda_critic=hp.lambda_critic)
+            m.update(_position_diagnostics(values, advantages, mask, hp))
+            m["value/explained_var_old"] = losses.explained_variance(values, returns, mask)
+        else:
+            values = returns = jnp.zeros_like(mask)
+            group_adv = losses.grpo_advantages(rollout["seq_rewards"], hp.group_size,
+                                               normalize_std=hp.grpo_normalize_std)
+            advantages = group_adv[:, None] * mask
+            m.update(_position_diagnostics(None, advantages, mask, hp))
+        raw_advantages = advantages
+        if hp.whiten_advantages and hp.has_critic:
+            advantages = gae_lib.whiten(advantages, mask)
+        experience = dict(tokens=tokens, attn_mask=attn_mask, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
+                          old_values=values, advantages=advantages, returns=returns,
+                          positive=(rollout["seq_rewards"] > 0).astype(jnp.float32))
+        n = jnp.maximum(mask.sum(), 1.0)
+        m.update({
+            "rollout/kl_to_ref": (kl * mask).sum() / n,
+            "rollout/entropy": (entropy * mask).sum() / n,
+            "adv/mean": (raw_advantages * mask).sum() / n,
+            "adv/abs_mean": (jnp.abs(raw_advantages) * mask).sum() / n,
+            "returns/mean": (returns * mask).sum() / n,
+        })
+        return experience, m
+
+    return make_experience
+
+
+def _position_diagnostics(values, advantages, mask, hp: RLHparams) -> dict:
+    """VC-PPO diagnostics (paper Fig. 2): mean value / advantage by token-position bucket, early-token bias."""
+    out = {}
+    adv_b = metrics_lib.position_bucket_means(advantages, mask, hp.diag_buckets)[0]
+    for i in range(hp.diag_buckets):
+        out[f"diag/adv_pos{i:02d}"] = adv_b[i]
+    if values is not None:
+        val_b = metrics_lib.position_bucket_means(values, mask, hp.diag_buckets)[0]
+        for i in range(hp.diag_buckets):
+            out[f"diag/value_pos{i:02d}"] = val_b[i]
+    out.update(metrics_lib.early_token_bias(advantages, mask, early_tokens=hp.diag_early_tokens))
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Update: epochs x minibatches of actor and critic steps.
+# --------------------------------------------------------------------------------------------------------------
+
+
+def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
+    def loss_fn(params, mb: Batch) -> tuple[jax.Array, dict]:
+        logp, entropy = policy_logprobs(actor, params, mb["tokens"], mb["attn_mask"], prompt_len=hp.prompt_len,
+                                        chunk=hp.logprob_chunk, temperature=hp.temperature)
+        mask = mb["mask"]
+        loss, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_low=hp.clip_low,
+                                     clip_high=hp.clip_high, dual_clip=hp.dual_clip, agg_mode=hp.loss_agg)
+        m = dict(m)
+        m["policy/pg_loss"] = loss
+        ent = losses.aggregate(entropy, mask, hp.loss_agg)
+        m["policy/entropy"] = ent
+        if hp.entropy_coef > 0:
+            loss = loss - hp.entropy_coef * ent
+        if hp.kl_coef > 0 and not hp.kl_in_reward:
+            kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_estimator), mask, hp.loss_agg)
+            m["policy/kl_loss"] = kl
+            loss = loss + hp.kl_coef * kl
+        if hp.nll_coef > 0:
+            pos_mask = mask * mb["positive"][:, None]
+            nll = losses.aggregate(-logp, pos_mask, hp.loss_agg)
+            m["policy/nll_loss"] = nll
+            loss = loss + hp.nll_coef * nll
+        m["policy/loss"] = loss
+        return loss, m
+
+    return loss_fn
+
+
+def critic_loss_fn(hp: RLHparams, critic: nn.Module) -> Callable:
+    def loss_fn(params, mb: Batch) -> tuple[jax.Array, dict]:
+        values = critic_values(critic, params, mb["tokens"], mb["attn_mask"], prompt_len=hp.prompt_len)
+        loss, m = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"], clip=hp.value_clip,
+                                    agg_mode=hp.loss_agg)
+        m = dict(m)
+        m["value/explained_var"] = losses.explained_variance(values, mb["returns"], mb["mask"])
+        return loss, m
+
+    return loss_fn
+
+
+def make_update_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None,
+                   actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation | None):
+    """Returns `update(state, experience) -> (state, metrics)`; metrics are means over all minibatch steps."""
+    actor_grad = jax.value_and_grad(actor_loss_fn(hp, actor), has_aux=True)
+    critic_grad = jax.value_and_grad(critic_loss_fn(hp, critic), has_aux=True) if hp.has_critic else None
+
+    def minibatch_step(carry, mb):
+        actor_state, critic_state = carry
+        (loss, m), grads = actor_grad(actor_state.params, mb)
+        ok = jnp.isfinite(loss) & all_finite(grads)
+        actor_state = apply_gradients(actor_state, grads, actor_tx, ok)
+        m["policy/grad_norm"] = optax.tree.norm(grads)
+        m["train/nonfinite"] = 1.0 - ok.astype(jnp.float32)
+        if critic_grad is not None:
+            (vloss, vm), vgrads = critic_grad(critic_state.params, mb)
+            vok = jnp.isfinite(vloss) & all_finite(vgrads)
+            critic_state = apply_gradients(critic_state, vgrads, critic_tx, vok)
+            m.update(vm)
+            m["value/grad_norm"] = optax.tree.norm(vgrads)
+            m["train/nonfinite"] = jnp.maximum(m["train/nonfinite"], 1.0 - vok.astype(jnp.float32))
+        return (actor_state, critic_state), m
+
+    def update(state: RLState, experience: Batch) -> tuple[RLState, dict]:
+        batch = experience["tokens"].shape[0]
+        mb_size = batch // hp.num_minibatches
+        rng, epoch_rng = jax.random.split(state.rng)
+
+        def epoch(carry, key):
+            perm = jax.random.permutation(key, batch)
+            shuffled = jax.tree.map(
+                lambda x: x[perm].reshape(hp.num_minibatches, mb_size, *x.shape[1:]), experience)
+            return jax.lax.scan(minibatch_step, carry, shuffled)
+
+        (actor_state, critic_state), m = jax.lax.scan(
+            epoch, (state.actor, state.critic), jax.random.split(epoch_rng, hp.num_epochs))
+        metrics = jax.tree.map(jnp.mean, m)
+        metrics["train/nonfinite"] = m["train/nonfinite"].sum()
+        new_state = state.replace(actor=actor_state, critic=critic_state, rng=rng, step=state.step + 1)
+        return new_state, metrics
+
+    return update
