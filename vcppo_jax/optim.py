@@ -49,3 +49,33 @@ def apply_gradients(state: ModelState, grads, tx: optax.GradientTransformation, 
 def all_finite(*trees) -> jax.Array:
     leaves = [x for t in trees for x in jax.tree.leaves(t)]
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+
+
+def train_epochs(state: ModelState, batch: dict, rng: jax.Array, loss_fn, tx: optax.GradientTransformation, *,
+                 num_epochs: int, num_minibatches: int) -> tuple[ModelState, dict]:
+    """`num_epochs` passes of shuffled minibatch steps of `loss_fn(params, minibatch) -> (loss, metrics)`.
+
+    batch: leaves with a leading batch axis divisible by `num_minibatches`. A step whose loss or gradient is not
+    finite is skipped (params and optimizer state unchanged) and counted in 'train/nonfinite'. Returns the new state
+    and metrics averaged over all steps ('train/nonfinite' summed).
+    """
+    size = jax.tree.leaves(batch)[0].shape[0]
+    mb_size = size // num_minibatches
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def step(state, mb):
+        (loss, m), grads = grad_fn(state.params, mb)
+        ok = jnp.isfinite(loss) & all_finite(grads)
+        m = dict(m, grad_norm=optax.tree.norm(grads), nonfinite=1.0 - ok.astype(jnp.float32))
+        return apply_gradients(state, grads, tx, ok), m
+
+    def epoch(state, key):
+        perm = jax.random.permutation(key, size)
+        shuffled = jax.tree.map(lambda x: x[perm].reshape(num_minibatches, mb_size, *x.shape[1:]), batch)
+        return jax.lax.scan(step, state, shuffled)
+
+    state, m = jax.lax.scan(epoch, state, jax.random.split(rng, num_epochs))
+    nonfinite = m.pop("nonfinite").sum()
+    metrics = jax.tree.map(jnp.mean, m)
+    metrics["train/nonfinite"] = nonfinite
+    return state, metrics

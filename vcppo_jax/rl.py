@@ -12,6 +12,7 @@ a dict in the shared layout (prompt left-padded to P, response right-padded to R
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -25,7 +26,7 @@ from vcppo_jax import gae as gae_lib
 from vcppo_jax import losses
 from vcppo_jax import metrics as metrics_lib
 from vcppo_jax.models import position_ids, token_logprobs
-from vcppo_jax.optim import ModelState, all_finite, apply_gradients
+from vcppo_jax.optim import ModelState, train_epochs
 
 Batch = dict[str, jax.Array]
 
@@ -234,42 +235,21 @@ def critic_loss_fn(hp: RLHparams, critic: nn.Module) -> Callable:
 
 def make_update_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None,
                    actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation | None):
-    """Returns `update(state, experience) -> (state, metrics)`; metrics are means over all minibatch steps."""
-    actor_grad = jax.value_and_grad(actor_loss_fn(hp, actor), has_aux=True)
-    critic_grad = jax.value_and_grad(critic_loss_fn(hp, critic), has_aux=True) if hp.has_critic else None
-
-    def minibatch_step(carry, mb):
-        actor_state, critic_state = carry
-        (loss, m), grads = actor_grad(actor_state.params, mb)
-        ok = jnp.isfinite(loss) & all_finite(grads)
-        actor_state = apply_gradients(actor_state, grads, actor_tx, ok)
-        m["policy/grad_norm"] = optax.tree.norm(grads)
-        m["train/nonfinite"] = 1.0 - ok.astype(jnp.float32)
-        if critic_grad is not None:
-            (vloss, vm), vgrads = critic_grad(critic_state.params, mb)
-            vok = jnp.isfinite(vloss) & all_finite(vgrads)
-            critic_state = apply_gradients(critic_state, vgrads, critic_tx, vok)
-            m.update(vm)
-            m["value/grad_norm"] = optax.tree.norm(vgrads)
-            m["train/nonfinite"] = jnp.maximum(m["train/nonfinite"], 1.0 - vok.astype(jnp.float32))
-        return (actor_state, critic_state), m
+    """Returns `update(state, experience) -> (state, metrics)`: epochs x minibatches for the actor, then the same
+    for the critic (they share no parameters, so the order does not matter). Metrics are means over steps."""
+    actor_loss, critic_loss = actor_loss_fn(hp, actor), critic_loss_fn(hp, critic) if hp.has_critic else None
+    sgd = functools.partial(train_epochs, num_epochs=hp.num_epochs, num_minibatches=hp.num_minibatches)
 
     def update(state: RLState, experience: Batch) -> tuple[RLState, dict]:
-        batch = experience["tokens"].shape[0]
-        mb_size = batch // hp.num_minibatches
-        rng, epoch_rng = jax.random.split(state.rng)
-
-        def epoch(carry, key):
-            perm = jax.random.permutation(key, batch)
-            shuffled = jax.tree.map(
-                lambda x: x[perm].reshape(hp.num_minibatches, mb_size, *x.shape[1:]), experience)
-            return jax.lax.scan(minibatch_step, carry, shuffled)
-
-        (actor_state, critic_state), m = jax.lax.scan(
-            epoch, (state.actor, state.critic), jax.random.split(epoch_rng, hp.num_epochs))
-        metrics = jax.tree.map(jnp.mean, m)
-        metrics["train/nonfinite"] = m["train/nonfinite"].sum()
-        new_state = state.replace(actor=actor_state, critic=critic_state, rng=rng, step=state.step + 1)
-        return new_state, metrics
+        rng, actor_rng, critic_rng = jax.random.split(state.rng, 3)
+        actor_state, m = sgd(state.actor, experience, actor_rng, actor_loss, actor_tx)
+        m["policy/grad_norm"] = m.pop("grad_norm")
+        critic_state = state.critic
+        if hp.has_critic:
+            critic_state, vm = sgd(state.critic, experience, critic_rng, critic_loss, critic_tx)
+            vm["value/grad_norm"] = vm.pop("grad_norm")
+            vm["train/nonfinite"] = vm["train/nonfinite"] + m.pop("train/nonfinite")
+            m.update(vm)
+        return state.replace(actor=actor_state, critic=critic_state, rng=rng, step=state.step + 1), m
 
     return update
