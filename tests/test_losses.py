@@ -290,3 +290,12 @@ def test_nll_loss():
     np.testing.assert_allclose(nll_loss(np.where(mask, logp, -np.inf), mask), -logp[mask].mean(), **TOL)
     np.testing.assert_allclose(nll_loss(logp, mask & positive[:, None], "seq-mean-token-sum"),
                                np_aggregate(-logp, mask & positive[:, None], "seq-mean-token-sum"), **TOL)
+
+
+def test_explained_variance_of_constant_target_is_zero():
+    """Every response wrong: the target is constant, float32 rounding must not give a huge negative value."""
+    rng = np.random.default_rng(0)
+    mask = (rng.random((6, 9)) > 0.3).astype(np.float32)
+    target = -np.ones((6, 9), np.float32) * mask
+    pred = rng.standard_normal((6, 9)).astype(np.float32)
+    assert float(losses.explained_variance(jnp.asarray(pred), jnp.asarray(target), jnp.asarray(mask))) == 0.0

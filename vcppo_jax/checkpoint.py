@@ -423,3 +423,23 @@ def preemption_guard(signals: Sequence[int] = (signal.SIGTERM,)) -> Iterator[Pre
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+
+
+def read_meta(directory: str | epath.PathLike, step: int | None = None) -> dict | None:
+    """The JSON `meta` of a run's newest readable step (or of `step`); None when the run has no checkpoint.
+
+    Reads no arrays: used to ask whether an earlier stage finished and which architecture it saved.
+    """
+    path = epath.Path(directory)
+    if not path.exists():
+        return None
+    manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
+                                    item_handlers={META: ocp.JsonCheckpointHandler()})
+    steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+    for s in steps:
+        try:
+            return dict(manager.restore(s, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
+        except Exception as e:  # noqa: BLE001 - an unreadable step: try the previous one
+            logging.warning("meta of checkpoint step %s in %s is unreadable (%s); trying the previous step", s,
+                            path, type(e).__name__)
+    return None

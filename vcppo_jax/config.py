@@ -97,6 +97,15 @@ def sampling_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
 
 
+def stage_overrides() -> ml_collections.ConfigDict:
+    """Fields applied to an earlier stage's config when this run starts it itself (None = keep the file's value),
+    e.g. `--config.stage_overrides.sft.num_steps=200`."""
+    unset = lambda: ml_collections.config_dict.placeholder(int)
+    value = lambda: dict(max_steps=unset(), min_steps=unset(), prompts_per_step=unset(), group_size=unset())
+    return ml_collections.ConfigDict(dict(sft=dict(num_steps=unset(), batch_size=unset(), eval_every=unset()),
+                                          value_pretrain=value(), reward_model=value()))
+
+
 def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     """Defaults shared by VC-PPO, PPO and GRPO; `configs/<algorithm>.py` sets what differs."""
     c = _common("rl", f"runs/default/{algorithm}")
@@ -106,6 +115,7 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.critic_init = "value_pretrain"
     c.critic_dir = "runs/default/value_pretrain"
     c.run_missing_stages = True
+    c.stage_overrides = stage_overrides()
     # Advantage estimation (paper Algorithm 1).
     c.gamma = 1.0
     c.lambda_actor = 0.95
@@ -164,6 +174,7 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c = _common(stage, f"runs/default/{stage}")
     c.sft_dir = "runs/default/sft"
     c.run_missing_stages = True
+    c.stage_overrides = stage_overrides()
     c.critic_init = "actor"  # value_pretrain may also start from 'reward_model' (set critic_dir).
     c.critic_dir = ""
     c.prompts_per_step = 16

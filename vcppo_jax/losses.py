@@ -249,6 +249,9 @@ def grpo_advantages(rewards: jax.Array, group_size: int, *, normalize_std: bool 
 def explained_variance(pred: jax.Array, target: jax.Array, mask: jax.Array) -> jax.Array:
     """1 - Var[target - pred] / Var[target] over valid tokens (population variances); 0 if Var[target] = 0.
 
+    Var[target] below 1e-6 of the target's mean square counts as 0: a constant target (e.g. every response wrong)
+    leaves float32 rounding noise, and dividing by it would report a meaningless -1e8.
+
     Args:
       pred, target, mask: [batch, time] (any equal shapes).
     Returns:
@@ -261,8 +264,9 @@ def explained_variance(pred: jax.Array, target: jax.Array, mask: jax.Array) -> j
         return _masked_mean(jnp.square(x - _masked_mean(x, valid)), valid)
 
     var_target = var(target)
-    safe = jnp.where(var_target > 0, var_target, 1.0)
-    return jnp.where(var_target > 0, 1.0 - var(target - pred) / safe, 0.0)
+    informative = var_target > 1e-6 * _masked_mean(jnp.square(target), valid)
+    safe = jnp.where(informative, var_target, 1.0)
+    return jnp.where(informative, 1.0 - var(target - pred) / safe, 0.0)
 
 
 def nll_loss(logp: jax.Array, mask: jax.Array, agg_mode: AggMode = "token-mean") -> jax.Array:

@@ -1,0 +1,28 @@
+"""Task registry: `load_task(name, split, *, data_dir, **knobs)` -> random-access records of str fields.
+
+Every task yields {'prompt', 'answer', 'cot'}; the synthetic task also has 'direct' (the answer line alone).
+"""
+
+from __future__ import annotations
+
+from vcppo_jax.data.math_tasks import load_gsm8k, load_math
+from vcppo_jax.data.source import Record, RecordSource
+from vcppo_jax.data.synthetic import load_synthetic
+
+_LOADERS = {'synthetic': load_synthetic, 'gsm8k': load_gsm8k, 'math': load_math}
+TASKS = tuple(_LOADERS)
+
+
+def load_task(name: str, split: str, *, data_dir: str, **knobs) -> RecordSource:
+    """Records of `split` of task `name` in data_dir (synthetic: built on first use; others: prepared).
+
+    knobs: synthetic difficulty knobs (see `synthetic.SyntheticConfig`); gsm8k/math: `template`.
+    """
+    if name not in _LOADERS:
+        raise ValueError(f'unknown task {name!r}; known tasks: {TASKS}')
+    if not isinstance(data_dir, str) or not data_dir:
+        raise ValueError(f'data_dir must be a non-empty path string, got {data_dir!r}')
+    return _LOADERS[name](split, data_dir=data_dir, **knobs)
+
+
+__all__ = ['Record', 'RecordSource', 'TASKS', 'load_task']

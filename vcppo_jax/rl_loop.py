@@ -1,0 +1,175 @@
+"""The RL loop for VC-PPO / PPO / GRPO: rollout -> reward -> experience (decoupled GAE) -> update -> eval -> save.
+
+Every step is reproducible from (seed, step): prompts come from `batch_indices(seed, step)` and the sampling key is
+`fold_in(seed key, step)`, so a resumed run continues exactly where the checkpoint left it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from vcppo_jax import builders
+from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax import config as config_lib
+from vcppo_jax import metrics as metrics_lib
+from vcppo_jax import rl
+from vcppo_jax import runtime as rt_lib
+from vcppo_jax.data.batching import batch_indices
+from vcppo_jax.metrics import Timer
+from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
+from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
+from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, rollout_stats
+from vcppo_jax.sampling import make_sampler
+
+CRITIC_HINTS = {"value_pretrain": "run experiments/pretrain_value.py first or set config.critic_init",
+                "reward_model": "run experiments/train_reward_model.py first or set config.critic_init"}
+
+
+def state_to_dict(state: rl.RLState) -> dict:
+    d = {"actor": rt_lib.model_state_to_dict(state.actor), "rng": state.rng, "step": state.step}
+    if state.critic is not None:
+        d["critic"] = rt_lib.model_state_to_dict(state.critic, "critic_params")
+    if state.ref_params is not None:
+        d["ref_params"] = state.ref_params
+    return d
+
+
+def state_from_dict(d: dict) -> rl.RLState:
+    critic = rt_lib.model_state_from_dict(d["critic"], "critic_params") if "critic" in d else None
+    return rl.RLState(actor=rt_lib.model_state_from_dict(d["actor"]), critic=critic,
+                      ref_params=d.get("ref_params"), rng=d["rng"], step=d["step"])
+
+
+def run_rl(config: ml_collections.ConfigDict) -> dict:
+    """Runs `config.num_steps` RL iterations (resuming from `config.workdir`); returns the last evaluation."""
+    config_lib.validate(config)
+    hp = rl.RLHparams.from_config(config)
+    batch = config.prompts_per_step * config.group_size
+    rt = rt_lib.make_runtime(config, batch_sizes={"prompts_per_step*group_size": batch,
+                                                  "prompts_per_step*group_size/num_minibatches":
+                                                      batch // config.num_minibatches})
+    from vcppo_jax.stages import stage_meta  # noqa: PLC0415
+
+    sft_meta = stage_meta(config.sft_dir, "sft")
+    if hp.has_critic and config.critic_init != "actor":
+        stage_meta(config.critic_dir, config.critic_init)
+    cfg = builders.model_config_from_json(sft_meta["model_config"], config)
+    tok = builders.tokenizer(config)
+    train = builders.task_source(config, config.task.train_split)
+    test = builders.task_source(config, config.task.test_split)
+    verifier = builders.verifier(config)
+    actor, critic = CausalLM(cfg), (ValueModel(cfg) if hp.has_critic else None)
+    actor_tx = make_optimizer(config.actor_optim)
+    critic_tx = make_optimizer(config.critic_optim) if hp.has_critic else None
+    P, R = config.task.max_prompt_len, config.task.max_response_len
+
+    # ---- abstract state and shardings --------------------------------------------------------------------
+    actor_abs = rt_lib.abstract_model_state(actor, actor_tx)
+    actor_sh = rt.shardings(actor_abs)
+    actor_params_abs = rt_lib.abstract_params(actor)
+    actor_params_target = rt_lib.with_shardings(actor_params_abs, rt.shardings(actor_params_abs))
+    key = jax.random.PRNGKey(config.seed)
+    replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
+    target = {"actor": rt_lib.model_state_to_dict(rt_lib.with_shardings(actor_abs, actor_sh)),
+              "rng": jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
+              "step": jax.ShapeDtypeStruct((), np.int32, sharding=replicated)}
+    if hp.has_critic:
+        critic_abs = rt_lib.abstract_model_state(critic, critic_tx)
+        target["critic"] = rt_lib.model_state_to_dict(rt_lib.with_shardings(critic_abs, rt.shardings(critic_abs)),
+                                                      "critic_params")
+    if config.kl_coef > 0:
+        target["ref_params"] = actor_params_target
+
+    def init() -> dict:
+        policy = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
+        shard = lambda tree, t: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, t))
+        state = {"actor": shard(rt_lib.model_state_to_dict(init_model_state(policy, actor_tx)), target["actor"]),
+                 # Copies: the state is donated to `update`, and device_put would alias `key` / `policy` buffers.
+                 "rng": jax.device_put(jnp.copy(key), replicated), "step": jax.device_put(np.zeros((), np.int32), replicated)}
+        if hp.has_critic:
+            if config.critic_init == "actor":
+                critic_params = critic_params_from_actor({"params": policy})["params"]
+            else:
+                critic_abs_p = rt_lib.abstract_params(critic)
+                critic_params = ckpt_lib.load_params(config.critic_dir,
+                                                     rt_lib.with_shardings(critic_abs_p, rt.shardings(critic_abs_p)),
+                                                     key="critic_params", hint=CRITIC_HINTS[config.critic_init])
+            state["critic"] = shard(rt_lib.model_state_to_dict(init_model_state(critic_params, critic_tx),
+                                                               "critic_params"), target["critic"])
+        if config.kl_coef > 0:
+            state["ref_params"] = jax.tree.map(jnp.copy, policy)
+        return state
+
+    ckpt = rt_lib.checkpointer(config)
+    state_d, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
+    state = state_from_dict(state_d)
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+
+    # ---- jitted pure steps -----------------------------------------------------------------------------------
+    with rt.context():
+        make_experience = jax.jit(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
+        update = jax.jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
+                         in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+    s = config.sampling
+    sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    greedy = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                          temperature=0.0)
+
+    logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc=config.algorithm,
+                               show=("rollout/accuracy", "rollout/response_length_mean", "value/explained_var",
+                                     "diag/adv_early_bias"))
+    timer = Timer()
+    bias_history: list[float] = list(meta.get("adv_early_bias", []))
+    last_eval: dict = dict(meta.get("eval", {}))
+
+    def run_eval(step: int) -> None:
+        nonlocal last_eval
+        last_eval = evaluate(greedy, state.actor.params, test, tok, verifier, num_prompts=config.eval_prompts,
+                             batch_size=min(config.eval_prompts, batch), max_prompt_len=P,
+                             correct=config.reward_correct, rng=key, place=rt.place_batch)
+        logger.write(step, last_eval)
+
+    try:
+        with ckpt_lib.preemption_guard() as guard, rt.context():
+            if start == 0:
+                run_eval(0)
+            for step in range(start, config.num_steps):
+                with timer.section("rollout"):
+                    idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
+                    pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
+                    rollout, _ = generate_and_score(sampler, state.actor.params, pb, jax.random.fold_in(key, step),
+                                                    tok, verifier, rt.place_batch)
+                with timer.section("experience"):
+                    experience, m_exp = make_experience(state, rt.place_batch(rollout))
+                with timer.section("update"):
+                    state, m_up = update(state, experience)
+                    m = jax.device_get({**m_exp, **m_up})
+                logger.count_nonfinite(step, float(m["train/nonfinite"]))
+                m = {k: float(v) for k, v in m.items()}
+                m.update(rollout_stats(rollout, config.reward_correct, R))
+                m["policy/lr"] = float(learning_rate(config.actor_optim, step))
+                m.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
+                bias_history.append(m["diag/adv_early_bias"])
+                warning = metrics_lib.collapse_warning(bias_history)
+                if warning:
+                    logger.print(f"step {step + 1}: {warning}")
+                logger.log(step + 1, m)
+                done = step + 1 == config.num_steps
+                if (step + 1) % config.eval_every == 0 or done:
+                    run_eval(step + 1)
+                if done or (step + 1) % config.save_every == 0 or guard.should_stop:
+                    meta = {"stage": "rl", "algorithm": config.algorithm, "done": done, "eval": last_eval,
+                            "adv_early_bias": bias_history, "model_config": sft_meta["model_config"]}
+                    ckpt.save(step + 1, state_to_dict(state), meta, force=True)
+                if guard.should_stop:
+                    logger.print(f"preempted: saved step {step + 1}")
+                    break
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        logger.close()
+    return last_eval

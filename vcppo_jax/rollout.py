@@ -1,0 +1,94 @@
+"""Host side of a rollout: prompts -> sampled responses -> verifier rewards -> the RL batch layout; evaluation.
+
+The sampler and every network call are jitted elsewhere; this module only moves numpy arrays and strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import numpy as np
+
+from vcppo_jax.data import RecordSource
+from vcppo_jax.data.batching import encode_prompts
+from vcppo_jax.rewards import score_batch
+from vcppo_jax.sampling import SampleOutput, decode_responses
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    tokens: np.ndarray  # [B, P] int32, left-padded
+    mask: np.ndarray  # [B, P] int32
+    answers: list[str]  # [B]
+
+
+def prompt_batch(source: RecordSource, indices: Sequence[int], tokenizer, *, max_prompt_len: int,
+                 group_size: int = 1) -> PromptBatch:
+    """Records at `indices`, each repeated `group_size` times in a row (a GRPO group is a consecutive block)."""
+    records = source.get_batch(indices)
+    records = [r for r in records for _ in range(group_size)]
+    tokens, mask = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_len, truncate=True)
+    return PromptBatch(tokens=tokens, mask=mask, answers=[r["answer"] for r in records])
+
+
+def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
+    """The RL batch (see `rl.py`): sequence reward placed at each response's last token."""
+    response_mask = np.asarray(out.response_mask, np.float32)
+    lengths = np.asarray(out.lengths)
+    batch, resp_len = response_mask.shape
+    rewards = np.zeros((batch, resp_len), np.float32)
+    rewards[np.arange(batch), np.maximum(lengths, 1) - 1] = seq_rewards
+    attn_mask = np.concatenate([np.asarray(prompt_mask, bool), response_mask > 0], axis=1)
+    return dict(tokens=np.asarray(out.tokens, np.int32), attn_mask=attn_mask, response_mask=response_mask,
+                rewards=rewards, seq_rewards=np.asarray(seq_rewards, np.float32))
+
+
+def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,
+                       verifier: Callable, place: Callable = lambda x: x) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Samples one response per row of `batch`, scores it, returns (rollout, response texts).
+
+    place: puts a host batch on the devices (e.g. `sharding.shard_batch(x, mesh)`).
+    """
+    out = jax.device_get(sampler(params, place(batch.tokens), place(batch.mask), rng))
+    texts = decode_responses(tokenizer, out)
+    seq_rewards = score_batch(verifier, texts, batch.answers)
+    return to_rollout(out, batch.mask, seq_rewards), texts
+
+
+def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) -> dict[str, float]:
+    lengths = rollout["response_mask"].sum(axis=1)
+    return {
+        "rollout/reward_mean": float(rollout["seq_rewards"].mean()),
+        "rollout/accuracy": float((rollout["seq_rewards"] >= correct).mean()),
+        "rollout/response_length_mean": float(lengths.mean()),
+        "rollout/response_length_max": float(lengths.max()),
+        "rollout/response_length_min": float(lengths.min()),
+        "rollout/clip_ratio": float((lengths >= max_len).mean()),
+    }
+
+
+def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
+             batch_size: int, max_prompt_len: int, correct: float, rng: jax.Array, prefix: str = "eval",
+             place: Callable = lambda x: x) -> dict[str, float]:
+    """pass@1 (one sample per prompt from `sampler`) and response length on the first `num_prompts` records.
+
+    `direct_fraction` counts single-line answers (no scratchpad): the short style a collapsing policy falls into.
+    """
+    num_prompts = min(num_prompts, len(source))
+    num_prompts -= num_prompts % batch_size
+    if num_prompts < batch_size:
+        raise ValueError(f"evaluation needs at least one batch of {batch_size} prompts; the split has {len(source)}")
+    rewards, lengths, single_line = [], [], []
+    for start in range(0, num_prompts, batch_size):
+        batch = prompt_batch(source, range(start, start + batch_size), tokenizer, max_prompt_len=max_prompt_len)
+        rollout, texts = generate_and_score(sampler, params, batch, jax.random.fold_in(rng, start), tokenizer,
+                                            verifier, place)
+        rewards.append(rollout["seq_rewards"])
+        lengths.append(rollout["response_mask"].sum(axis=1))
+        single_line.extend("\n" not in t.strip() for t in texts)
+    rewards, lengths = np.concatenate(rewards), np.concatenate(lengths)
+    return {f"{prefix}/pass@1": float((rewards >= correct).mean()),
+            f"{prefix}/response_length_mean": float(lengths.mean()),
+            f"{prefix}/direct_fraction": float(np.mean(single_line))}

@@ -1,0 +1,147 @@
+"""Run-time plumbing shared by the training loops: mesh and state shardings, checkpoint trees, logging, halting.
+
+Nothing here holds hidden global state; each loop builds one `Runtime` from its config and passes it along.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+import tqdm
+
+from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax import sharding
+from vcppo_jax.metrics import MetricWriter
+from vcppo_jax.optim import ModelState, init_model_state
+
+
+@dataclasses.dataclass
+class Runtime:
+    mesh: jax.sharding.Mesh
+    rules: Any
+
+    def place_batch(self, tree):
+        """Host numpy batch -> global arrays split over ('data', 'fsdp')."""
+        return sharding.shard_batch(tree, self.mesh)
+
+    def shardings(self, abstract_boxed):
+        return sharding.logical_shardings(abstract_boxed, self.mesh, self.rules)
+
+    def context(self):
+        """Activates logical activation constraints inside the model while tracing."""
+        return sharding.use_mesh(self.mesh, self.rules)
+
+
+def make_runtime(config: ml_collections.ConfigDict, *, batch_sizes: dict[str, int]) -> Runtime:
+    """Mesh from `config.mesh`; checks every batch size divides data*fsdp before anything compiles."""
+    sharding.maybe_initialize_distributed()
+    mesh = sharding.make_mesh(**config.mesh.to_dict())
+    for what, size in batch_sizes.items():
+        sharding.check_batch_divisible(size, mesh, what=what)
+    return Runtime(mesh=mesh, rules=sharding.DEFAULT_LOGICAL_RULES)
+
+
+def _dummy_inputs():
+    return jnp.zeros((1, 1), jnp.int32), jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+
+
+def abstract_params(model: nn.Module) -> Any:
+    """Boxed (logically annotated) abstract 'params' of `model`."""
+    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), *_dummy_inputs()))["params"]
+
+
+def abstract_model_state(model: nn.Module, tx: optax.GradientTransformation | None) -> Any:
+    """Boxed abstract ModelState (params + optimizer state), or just the boxed params when tx is None."""
+    params = abstract_params(model)
+    return params if tx is None else jax.eval_shape(lambda p: init_model_state(p, tx), params)
+
+
+def with_shardings(abstract_boxed, shardings) -> Any:
+    """Unboxed ShapeDtypeStructs carrying their target sharding (restore targets, jit out_shardings)."""
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), nn.unbox(abstract_boxed),
+                        shardings)
+
+
+def unboxed_shardings(abstract_boxed, shardings) -> Any:
+    """The sharding tree in the same structure as the unboxed values (for jit in/out_shardings)."""
+    return jax.tree.map(lambda s: s.sharding, with_shardings(abstract_boxed, shardings))
+
+
+def model_state_to_dict(state: ModelState, params_key: str = "params") -> dict:
+    return {params_key: state.params, "opt_state": state.opt_state, "step": state.step}
+
+
+def model_state_from_dict(d: dict, params_key: str = "params") -> ModelState:
+    return ModelState(params=d[params_key], opt_state=d["opt_state"], step=d["step"])
+
+
+class StepLogger:
+    """Progress bar + metrics (JSONL/TensorBoard) every `log_every` steps; halts after too many bad steps."""
+
+    def __init__(self, config: ml_collections.ConfigDict, *, total: int, initial: int, desc: str,
+                 show: tuple[str, ...]):
+        self._writer = MetricWriter(config.workdir, tensorboard=config.tensorboard)
+        self._every = config.log_every
+        self._show = show
+        self._max_bad = config.max_bad_steps
+        self._bad_in_a_row = 0
+        self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, disable=not config.progress_bar,
+                              dynamic_ncols=True, file=sys.stdout)
+
+    def log(self, step: int, metrics: dict[str, Any], *, force: bool = False) -> None:
+        self._bar.update(1)
+        if force or step % self._every == 0:
+            self._writer.write(step, metrics)
+            self._bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3g}" for k in self._show if k in metrics},
+                                  refresh=False)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        """Out-of-band metrics (evaluations)."""
+        self._writer.write(step, metrics)
+        self.print(f"step {step}: " + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())))
+
+    def print(self, text: str) -> None:
+        self._bar.write(text)
+
+    def count_nonfinite(self, step: int, nonfinite: float) -> None:
+        """Counts steps with skipped (non-finite) updates; raises after `max_bad_steps` in a row."""
+        if nonfinite > 0:
+            self._bad_in_a_row += 1
+            logging.warning("step %d: %d non-finite updates skipped (%d bad steps in a row)", step, nonfinite,
+                            self._bad_in_a_row)
+            if self._bad_in_a_row >= self._max_bad:
+                raise FloatingPointError(
+                    f"{self._bad_in_a_row} steps in a row had non-finite losses or gradients (config.max_bad_steps="
+                    f"{self._max_bad}); halting without saving. The last good checkpoint is untouched.")
+        else:
+            self._bad_in_a_row = 0
+
+    @property
+    def bad_in_a_row(self) -> int:
+        return self._bad_in_a_row
+
+    def close(self) -> None:
+        self._bar.close()
+        self._writer.close()
+
+
+def checkpointer(config: ml_collections.ConfigDict) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(config.workdir, max_to_keep=config.max_to_keep)
+
+
+def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDict, target, init: Callable[[], Any]
+                    ) -> tuple[Any, dict, int]:
+    """(state, meta, step): the latest checkpoint when `config.resume` and one exists, else `init()` at step 0."""
+    if config.resume and ckpt.latest_step() is not None:
+        state, meta, step = ckpt.restore(target)
+        logging.info("resumed %s from step %d", config.workdir, step)
+        return state, meta, step
+    return init(), {}, 0

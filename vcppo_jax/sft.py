@@ -1,0 +1,126 @@
+"""Cold-start SFT: next-token NLL on chain-of-thought traces (a share in the short direct-answer style)."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from vcppo_jax import builders
+from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax import config as config_lib
+from vcppo_jax import rewards
+from vcppo_jax import runtime as rt_lib
+from vcppo_jax.data.batching import batch_indices, encode_sft
+from vcppo_jax.metrics import Timer
+from vcppo_jax.models import CausalLM, load_hf_checkpoint
+from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer, train_epochs
+from vcppo_jax.rl import policy_logprobs
+from vcppo_jax.rollout import evaluate
+from vcppo_jax.sampling import make_sampler
+
+
+def use_direct_style(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """Whether record i is taught in the direct (answer-only) style: a fixed pseudo-random choice per record."""
+    h = (indices.astype(np.uint64) * np.uint64(2654435761) + np.uint64(seed) * np.uint64(97)) % np.uint64(10007)
+    return h < np.uint64(round(fraction * 10007))
+
+
+def sft_loss_fn(model: nn.Module, *, prompt_len: int, chunk: int):
+    def loss_fn(params, batch):
+        logp, _ = policy_logprobs(model, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
+                                  chunk=chunk)
+        mask = batch["response_mask"]
+        nll = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        return nll, {"sft/loss": nll}
+
+    return loss_fn
+
+
+def run_sft(config: ml_collections.ConfigDict) -> dict:
+    """Trains the policy; returns the final evaluation. Resumes from `config.workdir` when it holds a checkpoint."""
+    config_lib.validate(config)
+    rt = rt_lib.make_runtime(config, batch_sizes={"batch_size": config.batch_size})
+    tok = builders.tokenizer(config)
+    train, test = builders.task_source(config, config.task.train_split), builders.task_source(config,
+                                                                                              config.task.test_split)
+    verifier = rewards.make_verifier(config.task.name)  # default +1 / -1: only pass@1 is reported
+    if config.model.hf_path:
+        cfg, hf_vars = load_hf_checkpoint(config.model.hf_path)
+        cfg = cfg.replace(dtype=config.model.dtype, remat=config.model.remat)
+    else:
+        cfg, hf_vars = builders.model_config(config, len(tok)), None
+    model = CausalLM(cfg)
+    tx = make_optimizer(config.optim)
+    abstract = rt_lib.abstract_model_state(model, tx)
+    shardings = rt_lib.unboxed_shardings(abstract, rt.shardings(abstract))
+    P, R = config.task.max_prompt_len, config.task.max_response_len
+
+    def init():
+        if hf_vars is not None:
+            return jax.device_put(init_model_state(hf_vars["params"], tx), shardings)
+        fresh = lambda: init_model_state(nn.unbox(model.init(jax.random.PRNGKey(config.seed),
+                                                             *rt_lib._dummy_inputs()))["params"], tx)
+        return jax.jit(fresh, out_shardings=shardings)()
+
+    ckpt = rt_lib.checkpointer(config)
+    target = rt_lib.model_state_to_dict(rt_lib.with_shardings(abstract, rt.shardings(abstract)))
+    state, _, start = rt_lib.restore_or_init(ckpt, config, target, lambda: rt_lib.model_state_to_dict(init()))
+    state = rt_lib.model_state_from_dict(state)
+
+    loss_fn = sft_loss_fn(model, prompt_len=P, chunk=config.task.max_response_len)
+    with rt.context():
+        step_fn = jax.jit(
+            lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
+            in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
+    sampler = make_sampler(model, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                           temperature=0.0)
+    meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False}
+    correct = 1.0
+    last_eval: dict = {}
+
+    def run_eval(step):
+        nonlocal last_eval
+        last_eval = evaluate(sampler, state.params, test, tok, verifier, num_prompts=config.eval_prompts,
+                             batch_size=min(config.eval_prompts, config.batch_size), max_prompt_len=P,
+                             correct=correct, rng=jax.random.PRNGKey(config.seed), place=rt.place_batch)
+        logger.write(step, last_eval)
+
+    logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc="sft", show=("sft/loss",))
+    timer = Timer()
+    try:
+        with ckpt_lib.preemption_guard() as guard, rt.context():
+            for step in range(start, config.num_steps):
+                with timer.section("data"):
+                    idx = batch_indices(len(train), config.batch_size, step, config.seed)
+                    records = train.get_batch(idx)
+                    direct = use_direct_style(idx, config.seed, config.direct_fraction)
+                    targets = [r["direct"] if d and "direct" in r else r["cot"] for r, d in zip(records, direct)]
+                    enc = encode_sft(tok, [r["prompt"] for r in records], targets, P, R, truncate=True)
+                    batch = rt.place_batch({"tokens": enc["tokens"], "attn_mask": enc["attention_mask"] > 0,
+                                            "response_mask": enc["response_mask"].astype(np.float32)})
+                with timer.section("update"):
+                    state, m = step_fn(state, batch)
+                    m = jax.device_get(m)
+                logger.count_nonfinite(step, float(m["train/nonfinite"]))
+                m["sft/lr"] = float(learning_rate(config.optim, step))
+                m.update(timer.summary(num_tokens=int(enc["attention_mask"].sum())))
+                logger.log(step + 1, m)
+                done = step + 1 == config.num_steps
+                if (step + 1) % config.eval_every == 0 or done:
+                    run_eval(step + 1)
+                if done or (step + 1) % config.save_every == 0 or guard.should_stop:
+                    ckpt.save(step + 1, rt_lib.model_state_to_dict(state), dict(meta, done=done, eval=last_eval),
+                              force=True)
+                if guard.should_stop:
+                    logger.print(f"preempted: saved step {step + 1}")
+                    break
+            if start >= config.num_steps and not last_eval:
+                run_eval(start)
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        logger.close()
+    return last_eval

@@ -1,0 +1,178 @@
+"""Offline critic training on samples of the frozen SFT policy. Two stages share this loop:
+
+- 'value_pretrain' (VC-PPO): targets are Monte-Carlo returns (GAE with lambda = 1) at every response token; trains
+  until value loss and explained variance stop changing (paper Algorithm 1, step 1; Fig. 6).
+- 'reward_model' (the PPO baseline's critic init, as in standard RLHF): an outcome reward model, supervised only at
+  the EOS (last) token with the sequence reward; its values on earlier tokens are never trained, which is the
+  initialization bias the paper diagnoses.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from vcppo_jax import builders
+from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax import config as config_lib
+from vcppo_jax import gae as gae_lib
+from vcppo_jax import losses
+from vcppo_jax import runtime as rt_lib
+from vcppo_jax.data.batching import batch_indices
+from vcppo_jax.metrics import Timer
+from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
+from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
+from vcppo_jax.rl import critic_values
+from vcppo_jax.rollout import generate_and_score, prompt_batch, rollout_stats
+from vcppo_jax.sampling import make_sampler
+
+
+def value_targets(rollout: dict, *, gamma: float, eos_only: bool) -> tuple[jax.Array, jax.Array]:
+    """(targets [B, R], weights [B, R]). Monte-Carlo returns on every response token, or (eos_only) the sequence
+    reward on the last response token alone."""
+    mask = rollout["response_mask"]
+    if eos_only:
+        last = jnp.maximum(mask.sum(axis=1).astype(jnp.int32), 1) - 1
+        weights = jax.nn.one_hot(last, mask.shape[1], dtype=mask.dtype) * (mask.sum(axis=1, keepdims=True) > 0)
+        return rollout["seq_rewards"][:, None] * weights, weights
+    # With lambda = 1 the GAE return does not depend on the values: it is the discounted sum of future rewards.
+    _, returns = gae_lib.gae(rollout["rewards"], jnp.zeros_like(mask), mask, gamma=gamma, lam=1.0)
+    return returns, mask
+
+
+def converged(losses_hist: Sequence[float], ev_hist: Sequence[float], *, window: int, rtol: float,
+              atol: float) -> bool:
+    """True when the mean value loss of the last `window` steps is within `rtol` (relative) of the window before,
+    and the mean explained variance within `atol`."""
+    if len(losses_hist) < 2 * window:
+        return False
+    l_new, l_old = np.mean(losses_hist[-window:]), np.mean(losses_hist[-2 * window:-window])
+    e_new, e_old = np.mean(ev_hist[-window:]), np.mean(ev_hist[-2 * window:-window])
+    return bool(abs(l_new - l_old) <= rtol * max(abs(l_old), 1e-8) and abs(e_new - e_old) <= atol)
+
+
+def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eos_only: bool,
+                    num_minibatches: int):
+    """`step(state, rollout, rng) -> (state, metrics)`; loss and explained variance are measured on the fresh batch
+    before the update (held-out for the current params), then minibatch regression steps follow."""
+
+    def loss_fn(params, mb):
+        values = critic_values(critic, params, mb["tokens"], mb["attn_mask"], prompt_len=prompt_len)
+        loss, m = losses.value_loss(values, values, mb["targets"], mb["weights"])
+        return loss, {"value/train_loss": loss}
+
+    def step(state, rollout, rng):
+        targets, weights = value_targets(rollout, gamma=gamma, eos_only=eos_only)
+        values = critic_values(critic, state.params, rollout["tokens"], rollout["attn_mask"], prompt_len=prompt_len)
+        loss, _ = losses.value_loss(values, values, targets, weights)
+        metrics = {"value/loss": loss, "value/explained_var": losses.explained_variance(values, targets, weights),
+                   "value/mean": (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)}
+        batch = dict(tokens=rollout["tokens"], attn_mask=rollout["attn_mask"], targets=targets, weights=weights)
+        state, m = train_epochs(state, batch, rng, loss_fn, tx, num_epochs=1, num_minibatches=num_minibatches)
+        metrics.update(m)
+        metrics["value/grad_norm"] = metrics.pop("grad_norm")
+        return state, metrics
+
+    return step
+
+
+def run_value_training(config: ml_collections.ConfigDict) -> dict:
+    """Trains a critic for `config.stage` in ('value_pretrain', 'reward_model'); returns the last metrics."""
+    config_lib.validate(config)
+    batch = config.prompts_per_step * config.group_size
+    rt = rt_lib.make_runtime(config, batch_sizes={"prompts_per_step*group_size": batch})
+    eos_only = config.stage == "reward_model"
+    from vcppo_jax.stages import stage_meta  # noqa: PLC0415 (stages imports this module lazily)
+
+    sft_meta = stage_meta(config.sft_dir, "sft")
+    cfg = builders.model_config_from_json(sft_meta["model_config"], config)
+    tok = builders.tokenizer(config)
+    train = builders.task_source(config, config.task.train_split)
+    verifier = builders.verifier(config)
+    actor, critic = CausalLM(cfg), ValueModel(cfg)
+    tx = make_optimizer(config.optim)
+    P, R = config.task.max_prompt_len, config.task.max_response_len
+
+    actor_abs = rt_lib.abstract_params(actor)
+    actor_target = rt_lib.with_shardings(actor_abs, rt.shardings(actor_abs))
+    policy = ckpt_lib.load_params(config.sft_dir, actor_target, key="params")
+    abstract = rt_lib.abstract_model_state(critic, tx)
+    sh = rt.shardings(abstract)
+    shardings = rt_lib.unboxed_shardings(abstract, sh)
+    critic_abs = rt_lib.abstract_params(critic)
+    critic_target = rt_lib.with_shardings(critic_abs, rt.shardings(critic_abs))
+
+    def init():
+        if config.critic_init == "reward_model":
+            params = ckpt_lib.load_params(config.critic_dir, critic_target, key="critic_params",
+                                          hint="run experiments/train_reward_model.py first")
+        else:
+            params = critic_params_from_actor({"params": policy})["params"]
+        return rt_lib.model_state_to_dict(jax.device_put(init_model_state(params, tx), shardings), "critic_params")
+
+    ckpt = rt_lib.checkpointer(config)
+    target = rt_lib.model_state_to_dict(rt_lib.with_shardings(abstract, sh), "critic_params")
+    state, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
+    state = rt_lib.model_state_from_dict(state, "critic_params")
+    history = meta.get("history", {"loss": [], "ev": []})
+
+    with rt.context():
+        step_fn = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
+                                          num_minibatches=config.num_minibatches),
+                          in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
+    s = config.sampling
+    sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+    sample_key, update_key = jax.random.split(jax.random.PRNGKey(config.seed))
+    logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,
+                               show=("value/loss", "value/explained_var", "rollout/accuracy"))
+    timer = Timer()
+    metrics: dict = {}
+    is_converged = bool(meta.get("converged", False))
+    try:
+        with ckpt_lib.preemption_guard() as guard, rt.context():
+            step = start
+            while step < config.max_steps and not is_converged:
+                with timer.section("rollout"):
+                    idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
+                    pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
+                    rollout, _ = generate_and_score(sampler, policy, pb, jax.random.fold_in(sample_key, step), tok,
+                                                    verifier, rt.place_batch)
+                with timer.section("update"):
+                    state, m = step_fn(state, rt.place_batch(rollout), jax.random.fold_in(update_key, step))
+                    m = jax.device_get(m)
+                logger.count_nonfinite(step, float(m["train/nonfinite"]))
+                step += 1
+                metrics = {k: float(v) for k, v in m.items()}
+                metrics.update(rollout_stats(rollout, config.reward_correct, R))
+                metrics.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
+                history["loss"].append(metrics["value/loss"])
+                history["ev"].append(metrics["value/explained_var"])
+                is_converged = step >= config.min_steps and converged(
+                    history["loss"], history["ev"], window=config.converge_window, rtol=config.converge_rtol,
+                    atol=config.converge_atol)
+                metrics["value/converged"] = float(is_converged)
+                logger.log(step, metrics)
+                done = is_converged or step == config.max_steps
+                if done or step % config.save_every == 0 or guard.should_stop:
+                    meta = {"stage": config.stage, "model_config": sft_meta["model_config"], "done": done,
+                            "converged": is_converged, "history": history}
+                    ckpt.save(step, rt_lib.model_state_to_dict(state, "critic_params"), meta, force=True)
+                if guard.should_stop:
+                    logger.print(f"preempted: saved step {step}")
+                    break
+            if is_converged:
+                logger.print(f"{config.stage}: converged after {step} steps (value loss "
+                             f"{history['loss'][-1]:.4f}, explained variance {history['ev'][-1]:.3f})")
+            elif step >= config.max_steps:
+                logger.print(f"{config.stage}: stopped at max_steps={config.max_steps} without meeting the "
+                             "convergence tolerance")
+    finally:
+        ckpt.wait()
+        ckpt.close()
+        logger.close()
+    return metrics
