@@ -47,7 +47,7 @@ def test_paper_settings():
         ("clip_low", 0.0, r"clip_low=0.0"),
         ("clip_high", -1.0, r"clip_high"),
         ("dual_clip", 0.5, r"dual_clip"),
-        ("num_minibatches", 3, r"num_minibatches=3 must divide .*=64"),
+        ("num_minibatches", 3, r"num_minibatches=3 must divide .*=32"),
         ("loss_agg", "mean", r"loss_agg"),
         ("kl_estimator", "k4", r"kl_estimator"),
         ("algorithm", "a2c", r"algorithm"),

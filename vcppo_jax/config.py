@@ -32,38 +32,40 @@ class ConfigError(ValueError):
 
 def model_config() -> ml_collections.ConfigDict:
     """A tiny Qwen2-style decoder that trains on 2 CPU cores; `hf_path` loads a real checkpoint instead."""
-    return ml_collections.ConfigDict(
-            dict(
-                    hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
-                    vocab_size=0,  # 0 = take it from the tokenizer.
-                    hidden_size=128,
-                    intermediate_size=384,
-                    num_layers=4,
-                    num_heads=4,
-                    num_kv_heads=2,
-                    head_dim=0,  # 0 = hidden_size // num_heads.
-                    rope_theta=10000.0,
-                    rms_norm_eps=1e-6,
-                    qkv_bias=True,
-                    tie_embeddings=True,
-                    max_position_embeddings=1024,
-                    dtype="float32",
-                    remat=False,
-            ))
+    return ml_collections.ConfigDict(dict(
+        hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
+        vocab_size=0,  # 0 = take it from the tokenizer.
+        hidden_size=128,
+        intermediate_size=384,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=0,  # 0 = hidden_size // num_heads.
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        qkv_bias=True,
+        tie_embeddings=True,
+        max_position_embeddings=1024,
+        dtype="float32",
+        remat=False,
+    ))
 
 
 def task_config() -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(
-            dict(
-                    name="synthetic",
-                    data_dir="",  # '' = <workdir root>/tfds.
-                    tokenizer_path="",  # '' = the synthetic char-level tokenizer.
-                    train_split="train",
-                    test_split="test",
-                    knobs=ml_collections.ConfigDict(),  # task-specific difficulty knobs (e.g. num_terms for synthetic).
-                    max_prompt_len=48,
-                    max_response_len=256,
-            ))
+    return ml_collections.ConfigDict(dict(
+        name="synthetic",
+        data_dir="",  # '' = <workdir root>/tfds.
+        tokenizer_path="",  # '' = the synthetic char-level tokenizer.
+        train_split="train",
+        test_split="test",
+        # Passed to the task loader (synthetic: see data/synthetic.py; gsm8k/math: `template`). The default synthetic
+        # difficulty (2-3 two-digit terms, CoT ~40-100 tokens) trains on 2 CPU cores in minutes; raise terms/digits
+        # (and max_response_len) for longer chains of thought.
+        knobs=ml_collections.ConfigDict(dict(min_terms=2, max_terms=3, min_digits=2, max_digits=2, ops="+",
+                                             num_train=10000, num_test=500, seed=0)),
+        max_prompt_len=24,
+        max_response_len=112,
+    ))
 
 
 def mesh_config() -> ml_collections.ConfigDict:
@@ -71,8 +73,8 @@ def mesh_config() -> ml_collections.ConfigDict:
 
 
 def optim_config(lr: float) -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(
-            dict(lr=lr, warmup_steps=0, weight_decay=0.0, grad_clip=1.0, b1=0.9, b2=0.999, eps=1e-8))
+    return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=0, decay_steps=0, weight_decay=0.0, grad_clip=1.0,
+                                          b1=0.9, b2=0.999, eps=1e-8))
 
 
 def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
@@ -138,19 +140,20 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.reward_correct = 1.0
     c.reward_wrong = -1.0
     # Rollouts.
-    c.prompts_per_step = 16
+    c.prompts_per_step = 8
     c.group_size = 4
     c.sampling = sampling_config()
-    # Updates.
+    # Updates. The learning rates suit the tiny CPU model; LLM-scale runs use ~1e-6 (actor) and ~1e-5 (critic).
     c.num_epochs = 1
-    c.num_minibatches = 4
-    c.actor_optim = optim_config(1e-5)
-    c.critic_optim = optim_config(5e-5)
+    c.num_minibatches = 2
+    c.actor_optim = optim_config(1e-4)
+    c.critic_optim = optim_config(3e-4)
     c.logprob_chunk = 128
     # Loop.
-    c.num_steps = 100
+    c.num_steps = 60
     c.eval_every = 20
     c.eval_prompts = 64
+    c.save_every = 20
     c.diag_buckets = 16  # token-position buckets for the value/advantage-by-position diagnostics.
     c.diag_early_tokens = 16
     return c
@@ -159,11 +162,13 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
 def base_sft_config() -> ml_collections.ConfigDict:
     c = _common("sft", "runs/default/sft")
     c.batch_size = 32
-    c.num_steps = 600
+    c.num_steps = 400
     c.direct_fraction = 0.3  # fraction of traces in short "direct answer" style (lets a policy collapse to short).
-    c.optim = optim_config(1e-3)
-    c.optim.warmup_steps = 50
-    c.eval_every = 200
+    c.optim = optim_config(3e-3)
+    c.optim.warmup_steps = 20
+    c.optim.decay_steps = 380
+    c.eval_every = 100
+    c.save_every = 100
     c.eval_prompts = 64
     c.sampling = sampling_config()
     return c
@@ -177,7 +182,7 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c.stage_overrides = stage_overrides()
     c.critic_init = "actor"  # value_pretrain may also start from 'reward_model' (set critic_dir).
     c.critic_dir = ""
-    c.prompts_per_step = 16
+    c.prompts_per_step = 8
     c.group_size = 4
     c.num_minibatches = 2
     c.sampling = sampling_config()
@@ -187,10 +192,11 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c.reward_correct = 1.0
     c.reward_wrong = -1.0
     c.min_steps = 20
-    c.max_steps = 200
+    c.max_steps = 80
+    c.save_every = 20
     # Converged when, over the last `converge_window` steps vs the window before, value loss changed by less than
     # `converge_rtol` (relative) and explained variance by less than `converge_atol`.
-    c.converge_window = 10
+    c.converge_window = 8
     c.converge_rtol = 0.05
     c.converge_atol = 0.02
     c.logprob_chunk = 128
@@ -244,7 +250,8 @@ def _validate_common(c) -> None:
         _fail("workdir", c.workdir, "must be a non-empty path")
     m = c.model
     if not m.hf_path:
-        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "max_position_embeddings"):
+        for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                  "max_position_embeddings"):
             _check_int(c, f"model.{f}", 1)
         _check_int(c, "model.vocab_size", 0)
         _check_int(c, "model.head_dim", 0)
@@ -272,6 +279,7 @@ def _validate_common(c) -> None:
 def _validate_optim(c, field: str) -> None:
     _check_range(c, f"{field}.lr", 0.0, 1.0, lo_open=True)
     _check_int(c, f"{field}.warmup_steps", 0)
+    _check_int(c, f"{field}.decay_steps", 0)  # 0 = constant after warmup; else cosine decay over that many steps.
     _check_range(c, f"{field}.weight_decay", 0.0, 1.0)
     _check_range(c, f"{field}.grad_clip", 0.0, float("inf"), hi_open=True)  # 0 disables clipping.
     _check_range(c, f"{field}.b1", 0.0, 1.0, hi_open=True)

@@ -9,19 +9,27 @@ import jax.numpy as jnp
 import ml_collections
 
 
+def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:
+    """Linear warmup over `warmup_steps`, then constant, or (decay_steps > 0) cosine decay to 10% of `lr` at update
+    `warmup_steps + decay_steps`."""
+    after = (optax.cosine_decay_schedule(cfg.lr, cfg.decay_steps, alpha=0.1) if cfg.get("decay_steps", 0)
+             else optax.constant_schedule(cfg.lr))
+    if not cfg.warmup_steps:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps), after], [cfg.warmup_steps])
+
+
 def make_optimizer(cfg: ml_collections.ConfigDict) -> optax.GradientTransformation:
-    """`cfg` has lr, warmup_steps, weight_decay, grad_clip (0 = off), b1, b2, eps."""
-    schedule = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps) if cfg.warmup_steps else cfg.lr
+    """`cfg` has lr, warmup_steps, decay_steps, weight_decay, grad_clip (0 = off), b1, b2, eps."""
+    schedule = lr_schedule(cfg)
     parts = [optax.clip_by_global_norm(cfg.grad_clip)] if cfg.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay))
     return optax.chain(*parts)
 
 
-def learning_rate(cfg: ml_collections.ConfigDict, step: jax.Array) -> jax.Array:
+def learning_rate(cfg: ml_collections.ConfigDict, step: int) -> float:
     """The lr `make_optimizer(cfg)` applies at update `step` (for logging)."""
-    if not cfg.warmup_steps:
-        return jnp.asarray(cfg.lr, jnp.float32)
-    return cfg.lr * jnp.minimum(1.0, step / cfg.warmup_steps)
+    return float(lr_schedule(cfg)(step))
 
 
 @struct.dataclass

@@ -88,7 +88,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         shard = lambda tree, t: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, t))
         state = {"actor": shard(rt_lib.model_state_to_dict(init_model_state(policy, actor_tx)), target["actor"]),
                  # Copies: the state is donated to `update`, and device_put would alias `key` / `policy` buffers.
-                 "rng": jax.device_put(jnp.copy(key), replicated), "step": jax.device_put(np.zeros((), np.int32), replicated)}
+                 "rng": jax.device_put(jnp.copy(key), replicated),
+                 "step": jax.device_put(np.zeros((), np.int32), replicated)}
         if hp.has_critic:
             if config.critic_init == "actor":
                 critic_params = critic_params_from_actor({"params": policy})["params"]
