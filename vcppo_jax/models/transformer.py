@@ -150,14 +150,18 @@ class Proj(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with RoPE and an optional per-layer KV cache."""
+    """Grouped-query self-attention with RoPE and an optional KV cache of all layers."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array, layer_cache: tuple[Array, Array] | None,
-                 cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
-        """x: [B, T, D]; cos/sin: [B, T, H]; mask: [B, 1, T, S] bool; layer_cache: ([B, S, K, H], same) or None."""
+    def __call__(self, x: Array, cos: Array, sin: Array, mask: Array, cache: tuple[Array, Array] | None,
+                 layer: Array, cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
+        """x: [B, T, D]; cos/sin: [B, T, H]; mask: [B, 1, T, S'] bool; cache: ([L, B, S, K, H], same) or None.
+
+        With a cache, the T new keys/values are written at [layer, :, cache_index:cache_index + T] and the queries
+        attend to this layer's first S' <= S slots (S' = mask.shape[-1]; the caller drops slots no query sees).
+        """
         cfg = self.cfg
         dt, pdt = cfg.compute_dtype, cfg.params_dtype
         n, k, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -167,17 +171,17 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         key = nn.with_logical_constraint(apply_rope(key, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         val = nn.with_logical_constraint(val, ("batch", "length", "kv_heads", "head_dim"))
-        new_cache = None
-        if layer_cache is not None:
-            ck, cv = layer_cache
-            start = (0, cache_index, 0, 0)
-            ck = jax.lax.dynamic_update_slice(ck, key.astype(ck.dtype), start)
-            cv = jax.lax.dynamic_update_slice(cv, val.astype(cv.dtype), start)
-            new_cache = (ck, cv)
-            key, val = ck.astype(dt), cv.astype(dt)
+        if cache is not None:
+            # Write only the T new entries into the full [L, ...] cache (the scan carries it, so XLA updates the
+            # buffer in place), then read this layer's visible slots back for attention.
+            start = (layer, 0, cache_index, 0, 0)
+            cache = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], start)
+                          for c, new in zip(cache, (key, val)))
+            size = (1, x.shape[0], mask.shape[-1], k, h)
+            key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
         out = jax.nn.dot_product_attention(q, key, val, mask=mask, implementation=cfg.attention_impl)
         y = Proj((cfg.hidden_size,), ("heads", "head_dim", "embed"), dt, pdt, n_in=2, name="o_proj")(out)
-        return y, new_cache
+        return y, cache
 
 
 class MLP(nn.Module):
@@ -196,20 +200,20 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the signature is shaped for `nn.scan`: (carry, scanned cache, broadcast args...)."""
+    """Pre-norm block; the signature is shaped for `nn.scan`: ((x, cache), layer index, broadcast args...)."""
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x: Array, layer_cache: tuple[Array, Array] | None, cos: Array, sin: Array, mask: Array,
-                 cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
+    def __call__(self, carry: tuple[Array, tuple[Array, Array] | None], layer: Array, cos: Array, sin: Array,
+                 mask: Array, cache_index: Array) -> tuple[tuple[Array, tuple[Array, Array] | None], None]:
         cfg = self.cfg
+        x, cache = carry
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)  # noqa: E731
-        attn, new_cache = Attention(cfg, name="attn")(norm("attn_norm")(x), cos, sin, mask, layer_cache,
-                                                      cache_index)
+        attn, cache = Attention(cfg, name="attn")(norm("attn_norm")(x), cos, sin, mask, cache, layer, cache_index)
         x = x + attn
         x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))
-        return nn.with_logical_constraint(x, _ACT), new_cache
+        return (nn.with_logical_constraint(x, _ACT), cache), None
 
 
 def _stacked_layers(cfg: ModelConfig) -> type[nn.Module]:
@@ -217,6 +221,8 @@ def _stacked_layers(cfg: ModelConfig) -> type[nn.Module]:
     if cfg.remat:
         # prevent_cse=False is safe (and faster) inside scan.
         layer = nn.remat(layer, prevent_cse=False)
+    # The whole cache rides in the carry rather than as scanned xs/ys: scanning it would slice every layer's
+    # [B, S, K, H] out and stack a fresh [L, B, S, K, H] output, i.e. copy the full cache at every decode step.
     return nn.scan(
         layer,
         variable_axes={"params": 0},
@@ -286,15 +292,22 @@ class Decoder(nn.Module):
 
         Returns:
           hidden: [B, T, D] after the final norm (compute dtype), and the updated KVCache (None without a cache).
+          Only the T new slots of each layer are written, in place when the cache is a loop carry (as in
+          `sampling`) or a donated jit argument; otherwise XLA first copies the whole cache to a new buffer.
         """
         _check_inputs(self.cfg, tokens, positions, kv_mask, cache, cache_index)
         # Without a cache the queries are the keys, so the causal offset is 0 whatever was passed.
+        static_index = 0 if cache is None else (cache_index if isinstance(cache_index, int) else None)
         cache_index = jnp.asarray(0 if cache is None else cache_index, jnp.int32)
         x = nn.with_logical_constraint(self.embed(tokens), _ACT)
         cos, sin = rope_cos_sin(positions, rope_inv_freq(self.cfg))
-        mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
-        layer_cache = None if cache is None else (cache.k, cache.v)
-        x, new_cache = self.layers(x, layer_cache, cos, sin, mask, cache_index)
+        # A concrete cache_index (prefill) tells statically that slots from static_index + T on are invisible to
+        # every query (causality), so attention skips them; a traced index (decode steps) needs all S slots.
+        num_keys = kv_mask.shape[1] if static_index is None else static_index + tokens.shape[1]
+        mask = attention_mask(kv_mask[:, :num_keys], tokens.shape[1], cache_index)
+        layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        carry = (x, None if cache is None else (cache.k, cache.v))
+        (x, new_cache), _ = self.layers(carry, layers, cos, sin, mask, cache_index)
         hidden = nn.with_logical_constraint(self.final_norm(x), _ACT)
         return hidden, (None if new_cache is None else KVCache(*new_cache))
 
