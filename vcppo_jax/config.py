@@ -96,7 +96,9 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
 
 
 def sampling_config() -> ml_collections.ConfigDict:
-    return ml_collections.ConfigDict(dict(temperature=1.0, top_k=0, top_p=1.0))
+    # 0.7: at temperature 1 the tiny CPU policy garbles ~80% of its scratchpads (pass@1 ~0.1 vs ~0.45 greedy), which
+    # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
+    return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0))
 
 
 def stage_overrides() -> ml_collections.ConfigDict:
@@ -146,7 +148,7 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     # Updates. The learning rates suit the tiny CPU model; LLM-scale runs use ~1e-6 (actor) and ~1e-5 (critic).
     c.num_epochs = 1
     c.num_minibatches = 2
-    c.actor_optim = optim_config(1e-4)
+    c.actor_optim = optim_config(3e-5)
     c.critic_optim = optim_config(3e-4)
     c.logprob_chunk = 128
     # Loop.

@@ -17,11 +17,13 @@ import ml_collections
 
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
+from vcppo_jax import runtime as rt_lib
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_reward_model.py",
                "value_pretrain": "experiments/pretrain_value.py", "rl": "experiments/train.py"}
-_SHARED = ("model", "task", "mesh", "seed", "tensorboard", "progress_bar")
+# The critic stages must see the responses RL will see: same sampling distribution.
+_SHARED = ("model", "task", "mesh", "seed", "sampling", "tensorboard", "progress_bar")
 
 
 def load_config_file(name: str) -> ml_collections.ConfigDict:
@@ -79,15 +81,20 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 
 def ensure_prerequisites(config: ml_collections.ConfigDict) -> None:
     """Runs (or, without `run_missing_stages`, demands) every missing earlier stage. Runs no compile itself when
-    everything is present."""
-    for stage, workdir in prerequisites(config):
-        if stage_done(workdir):
-            continue
-        if not config.get("run_missing_stages", False):
-            stage_meta(workdir, stage)  # raises the explanatory error
-        logging.warning("%s checkpoint missing in %s: running that stage first", stage, workdir)
-        print(f"[pipeline] no finished {stage} in {workdir}: running it now", flush=True)
-        run_stage(derived_config(config, stage, workdir))
+    everything is present.
+
+    Every missing stage's config, and the mesh/batch split of those stages and of this one, is checked before the
+    first of them starts, so a bad override or batch size fails at once rather than after SFT has trained."""
+    missing = [(stage, workdir) for stage, workdir in prerequisites(config) if not stage_done(workdir)]
+    if missing and not config.get("run_missing_stages", False):
+        stage_meta(missing[0][1], missing[0][0])  # raises the explanatory error
+    plan = [derived_config(config, stage, workdir) for stage, workdir in missing]
+    for c in plan + ([config] if plan else []):
+        rt_lib.make_runtime(c)
+    for c in plan:
+        logging.warning("%s checkpoint missing in %s: running that stage first", c.stage, c.workdir)
+        print(f"[pipeline] no finished {c.stage} in {c.workdir}: running it now", flush=True)
+        run_stage(c)
 
 
 def run_stage(config: ml_collections.ConfigDict) -> Any:
