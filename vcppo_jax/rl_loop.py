@@ -48,9 +48,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     config_lib.validate(config)
     hp = rl.RLHparams.from_config(config)
     batch = config.prompts_per_step * config.group_size
-    rt = rt_lib.make_runtime(config, batch_sizes={"prompts_per_step*group_size": batch,
-                                                  "prompts_per_step*group_size/num_minibatches":
-                                                      batch // config.num_minibatches})
+    rt = rt_lib.make_runtime(config)
     from vcppo_jax.stages import stage_meta  # noqa: PLC0415
 
     sft_meta = stage_meta(config.sft_dir, "sft")

@@ -40,11 +40,24 @@ class Runtime:
         return sharding.use_mesh(self.mesh, self.rules)
 
 
-def make_runtime(config: ml_collections.ConfigDict, *, batch_sizes: dict[str, int]) -> Runtime:
-    """Mesh from `config.mesh`; checks every batch size divides data*fsdp before anything compiles."""
+def batch_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
+    """Every global batch the loop of `config.stage` splits over data*fsdp, keyed by the expression that sets it."""
+    if config.stage == "sft":
+        return {"batch_size": config.batch_size,
+                "min(eval_prompts, batch_size)": min(config.eval_prompts, config.batch_size)}
+    batch = config.prompts_per_step * config.group_size
+    sizes = {"prompts_per_step*group_size": batch}
+    if config.stage == "rl":
+        sizes["prompts_per_step*group_size/num_minibatches"] = batch // config.num_minibatches
+        sizes["min(eval_prompts, prompts_per_step*group_size)"] = min(config.eval_prompts, batch)
+    return sizes
+
+
+def make_runtime(config: ml_collections.ConfigDict) -> Runtime:
+    """Mesh from `config.mesh`; checks every batch of the stage divides data*fsdp before anything compiles."""
     sharding.maybe_initialize_distributed()
     mesh = sharding.make_mesh(**config.mesh.to_dict())
-    for what, size in batch_sizes.items():
+    for what, size in batch_sizes(config).items():
         sharding.check_batch_divisible(size, mesh, what=what)
     return Runtime(mesh=mesh, rules=sharding.DEFAULT_LOGICAL_RULES)
 

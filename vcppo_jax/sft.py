@@ -42,7 +42,7 @@ def sft_loss_fn(model: nn.Module, *, prompt_len: int, chunk: int):
 def run_sft(config: ml_collections.ConfigDict) -> dict:
     """Trains the policy; returns the final evaluation. Resumes from `config.workdir` when it holds a checkpoint."""
     config_lib.validate(config)
-    rt = rt_lib.make_runtime(config, batch_sizes={"batch_size": config.batch_size})
+    rt = rt_lib.make_runtime(config)
     tok = builders.tokenizer(config)
     train, test = builders.task_source(config, config.task.train_split), builders.task_source(config,
                                                                                               config.task.test_split)

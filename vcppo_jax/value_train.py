@@ -83,8 +83,7 @@ def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eo
 def run_value_training(config: ml_collections.ConfigDict) -> dict:
     """Trains a critic for `config.stage` in ('value_pretrain', 'reward_model'); returns the last metrics."""
     config_lib.validate(config)
-    batch = config.prompts_per_step * config.group_size
-    rt = rt_lib.make_runtime(config, batch_sizes={"prompts_per_step*group_size": batch})
+    rt = rt_lib.make_runtime(config)
     eos_only = config.stage == "reward_model"
     from vcppo_jax.stages import stage_meta  # noqa: PLC0415 (stages imports this module lazily)
 
