@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -53,6 +54,12 @@ def _abstract(tree: Any) -> Any:
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
     return jax.tree.map(one, tree)
+
+
+def _absolute(path: str | epath.PathLike) -> epath.Path:
+    """Orbax's tensorstore writer needs absolute paths; URLs (gs://...) already are."""
+    text = str(path)
+    return epath.Path(text if "://" in text else os.path.abspath(text))
 
 
 def _reject_boxes(tree: Any, what: str) -> None:
@@ -135,7 +142,7 @@ class Checkpointer:
             raise ValueError(f"max_to_keep={max_to_keep} must be >= 1 or None (keep all)")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps={save_interval_steps} must be >= 1")
-        self.directory = epath.Path(directory)
+        self.directory = _absolute(directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -325,7 +332,7 @@ def load_params(
       shapes are checked against the checkpoint metadata before any array is read. dtypes cast.
     hint: appended to the not-found error (e.g. "run experiments/pretrain_value.py first").
     """
-    path = epath.Path(path)
+    path = _absolute(path)
     suffix = f"; {hint}" if hint else ""
     run_dir, step = _resolve_run_dir(path, step)
     if not run_dir.exists():
@@ -430,7 +437,7 @@ def read_meta(directory: str | epath.PathLike, step: int | None = None) -> dict 
 
     Reads no arrays: used to ask whether an earlier stage finished and which architecture it saved.
     """
-    path = epath.Path(directory)
+    path = _absolute(directory)
     if not path.exists():
         return None
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),

@@ -110,13 +110,14 @@ class MetricWriter:
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:
-    """All records of `<workdir>/metrics.jsonl`; after a resume the last record per step wins."""
+    """All records of `<workdir>/metrics.jsonl`, one dict per step: records of the same step (training metrics,
+    then the evaluation at that step) are merged, later values winning (after a resume the rerun step's)."""
     by_step: dict[int, dict[str, Any]] = {}
     with open(os.path.join(os.fspath(workdir), METRICS_FILE), encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 record = json.loads(line)
-                by_step[record["step"]] = record
+                by_step.setdefault(record["step"], {}).update(record)
     return [by_step[s] for s in sorted(by_step)]
 
 

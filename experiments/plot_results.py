@@ -1,0 +1,332 @@
+"""Figures and results table of the reproduction study (`experiments/reproduce.py`), from its metrics tree.
+
+Reads `<out>/seed<k>/<run>/metrics.jsonl` (run = a method of `METHODS`, or the `value_pretrain` stage) through
+`vcppo_jax.metrics.read_metrics` and writes to `--results` (default `experiments/results/`):
+
+  fig1_length_accuracy.png          response length and test pass@1 vs RL step, mean +- std over seeds (paper Fig. 1)
+  fig4_lambda_actor_sweep.png       the same for the lambda_actor sweep (paper Table 4 runs)
+  fig2_value_advantage_by_position.png  mean value / advantage per token-position bucket at the first RL step,
+                                    PPO baseline vs VC-PPO (paper Fig. 2)
+  fig6_value_pretraining.png        value-pretraining loss and explained variance vs step (paper Fig. 6)
+  results.md, results.json          final eval pass@1 and response length per method (mean +- std over seeds),
+                                    beside the paper's Tables 1, 2 and 4 (Qwen2.5-32B, AIME) -- different scale
+
+  python experiments/plot_results.py --out runs/reproduce [--results experiments/results]
+
+Std is the sample std over seeds (ddof=1); with a single seed it is reported as 0 / null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import pathlib
+import re
+import sys
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
+
+Records = list[dict[str, Any]]
+Tree = dict[str, dict[int, Records]]  # run name -> seed -> metrics records (sorted by step)
+
+# Method name -> label, in display order. `vcppo` (lambda_actor 0.95) is also the sweep's 0.95 point.
+METHODS = {
+    "ppo": "PPO (lambda 0.95, critic from reward model)",
+    "vcppo": "VC-PPO (value pretraining, lambda_actor 0.95 / lambda_critic 1.0)",
+    "vcppo_no_vpt": "VC-PPO w/o value pretraining (critic from actor)",
+    "vcppo_no_dgae": "VC-PPO w/o decoupled GAE (lambda 0.95 / 0.95)",
+    "grpo": "GRPO (group of 8, no critic)",
+    "vcppo_la0.9": "VC-PPO lambda_actor 0.9",
+    "vcppo_la0.99": "VC-PPO lambda_actor 0.99",
+    "vcppo_la1.0": "VC-PPO lambda_actor 1.0",
+}
+FIG1_METHODS = ("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae", "grpo")
+SWEEP = {"vcppo_la0.9": 0.9, "vcppo": 0.95, "vcppo_la0.99": 0.99, "vcppo_la1.0": 1.0}
+FIG2_METHODS = ("ppo", "vcppo")
+VALUE_STAGE = "value_pretrain"
+
+# The paper's AIME 2024 pass@1 (%) for Qwen2.5-32B (arXiv 2503.01491): Table 1 (main), Table 2 (ablation),
+# Table 4 (lambda_actor sweep, lambda_critic = 1). Not comparable in scale with ours.
+PAPER = {
+    "ppo": {"Table 2": 5.6},
+    "vcppo": {"Table 1": 48.8, "Table 2": 41.9, "Table 4": 41.3},
+    "vcppo_no_dgae": {"Table 2": 29.4},
+    "grpo": {"Table 1": 38.9},
+    "vcppo_la0.9": {"Table 4": 34.3},
+    "vcppo_la0.99": {"Table 4": 41.9},
+    "vcppo_la1.0": {"Table 4": 29.4},
+}
+PAPER_NOTE = ("The paper's numbers are AIME 2024 pass@1 (%) of Qwen2.5-32B with a 16K context; ours "
+              "are greedy pass@1 (%) on the synthetic addition task's test split of a tiny from-scratch model on "
+              "2 CPU cores. Compare orderings, not values. The paper's 'w/o decoupled GAE' (29.4) equals its "
+              "lambda_actor = 1.0 row, i.e. one lambda = 1.0 for both; our `vcppo_no_dgae` uses one lambda = 0.95 "
+              "(issue 6), and `vcppo_la1.0` is the one-lambda-1.0 run.")
+_SEED_DIR = re.compile(r"^seed(\d+)$")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading and reducing.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def load_tree(out_dir: str | pathlib.Path) -> Tree:
+    """{run: {seed: records}} for every `<out>/seed<k>/<run>/metrics.jsonl`."""
+    tree: Tree = {}
+    for seed_dir in sorted(pathlib.Path(out_dir).iterdir()) if pathlib.Path(out_dir).is_dir() else []:
+        match = _SEED_DIR.match(seed_dir.name)
+        if not match or not seed_dir.is_dir():
+            continue
+        for run_dir in sorted(seed_dir.iterdir()):
+            if (run_dir / METRICS_FILE).is_file():
+                tree.setdefault(run_dir.name, {})[int(match.group(1))] = read_metrics(run_dir)
+    return tree
+
+
+def series(records: Records, key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps [n], values [n]) of the records holding a finite `key`."""
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None and math.isfinite(r[key])]
+    return np.array([p[0] for p in pts], np.int64), np.array([p[1] for p in pts], np.float64)
+
+
+def _std(x: np.ndarray) -> float:
+    return float(np.std(x, ddof=1)) if x.size > 1 else 0.0
+
+
+def seed_band(runs: dict[int, Records], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps [n], mean [n], std [n]) over seeds at every step some seed logged `key`."""
+    per_step: dict[int, list[float]] = {}
+    for records in runs.values():
+        for s, v in zip(*series(records, key)):
+            per_step.setdefault(int(s), []).append(float(v))
+    steps = np.array(sorted(per_step), np.int64)
+    vals = [np.array(per_step[s]) for s in steps]
+    return steps, np.array([v.mean() for v in vals]), np.array([_std(v) for v in vals])
+
+
+def final_value(records: Records, key: str) -> tuple[int, float] | None:
+    """(step, value) of the last record holding `key`."""
+    steps, values = series(records, key)
+    return (int(steps[-1]), float(values[-1])) if steps.size else None
+
+
+def first_value(records: Records, key: str) -> tuple[int, float] | None:
+    steps, values = series(records, key)
+    return (int(steps[0]), float(values[0])) if steps.size else None
+
+
+def position_profile(runs: dict[int, Records], prefix: str) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and std over seeds of `<prefix>NN` (NN = bucket) at each seed's first RL step (the first record with
+    `<prefix>00` at step >= 1, i.e. computed by the initial critic). Returns (mean [buckets], std [buckets])."""
+    profiles = []
+    for records in runs.values():
+        first = next((r for r in records if r["step"] >= 1 and r.get(f"{prefix}00") is not None), None)
+        if first is None:
+            continue
+        n = len([k for k in first if re.fullmatch(re.escape(prefix) + r"\d+", k)])
+        profiles.append([first[f"{prefix}{i:02d}"] for i in range(n)])
+    if not profiles or len({len(p) for p in profiles}) != 1:
+        return np.zeros(0), np.zeros(0)
+    arr = np.array(profiles, np.float64)
+    return arr.mean(0), (arr.std(0, ddof=1) if len(arr) > 1 else np.zeros(arr.shape[1]))
+
+
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    arr = np.array(values, np.float64)
+    return {"mean": float(arr.mean()), "std": _std(arr) if arr.size > 1 else None, "n": int(arr.size),
+            "per_seed": [float(v) for v in arr]}
+
+
+def results_table(tree: Tree) -> dict[str, Any]:
+    """Per method: final (last evaluated step) eval/pass@1 and eval/response_length_mean over seeds, and pass@1 at
+    step 0 (the SFT policy), with the paper's numbers beside them."""
+    ours = {}
+    for method in METHODS:
+        runs = tree.get(method, {})
+        row: dict[str, Any] = {"label": METHODS[method], "seeds": sorted(runs)}
+        for key in ("eval/pass@1", "eval/response_length_mean"):
+            finals = {seed: final_value(records, key) for seed, records in runs.items()}
+            finals = {seed: f for seed, f in finals.items() if f is not None}
+            if finals:
+                row[key] = _stats([f[1] for f in finals.values()])
+                row[key]["steps"] = [f[0] for f in finals.values()]
+        starts = [f for f in (first_value(r, "eval/pass@1") for r in runs.values()) if f is not None and f[0] == 0]
+        if starts:
+            row["eval/pass@1_step0"] = _stats([f[1] for f in starts])
+        if len(row) > 2:
+            ours[method] = row
+    return {"ours": ours, "paper": PAPER, "note": PAPER_NOTE,
+            "columns": {"ours": "greedy pass@1 on the test split (a fraction here, % in results.md) and mean "
+                                "response length (tokens) at the last evaluation, tiny model, synthetic task, "
+                                "mean and sample std over seeds",
+                        "paper": "AIME 2024 pass@1 (%), Qwen2.5-32B"}}
+
+
+def _fmt(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
+    if not stats:
+        return "-"
+    text = f"{stats['mean'] * scale:.{digits}f}"
+    return text + (f" ± {stats['std'] * scale:.{digits}f}" if stats["std"] is not None else " (1 seed)")
+
+
+def table_markdown(table: dict[str, Any]) -> str:
+    lines = ["# Results: ours (tiny model, synthetic task) vs the paper (Qwen2.5-32B, AIME)", "",
+             f"Ours: {table['columns']['ours']}. Paper: {table['columns']['paper']}.", "",
+             "| method | seeds | final step | ours: pass@1 (%) | ours: response length | ours: pass@1 at step 0 (%) "
+             "| paper: AIME pass@1 (%, 32B) |",
+             "|---|---|---|---|---|---|---|"]
+    for method, label in METHODS.items():
+        row = table["ours"].get(method)
+        paper = " · ".join(f"{t} {v:.1f}" for t, v in table["paper"].get(method, {}).items()) or "-"
+        if row is None:
+            lines.append(f"| {label} | 0 | - | - | - | - | {paper} |")
+            continue
+        steps = sorted(set(row.get("eval/pass@1", {}).get("steps", [])))
+        step_text = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        lines.append(f"| {label} | {len(row['seeds'])} | {step_text} | {_fmt(row.get('eval/pass@1'), 100)} | "
+                     f"{_fmt(row.get('eval/response_length_mean'))} | "
+                     f"{_fmt(row.get('eval/pass@1_step0'), 100)} | {paper} |")
+    lines += ["", table["note"], ""]
+    return "\n".join(lines)
+
+
+def write_table(table: dict[str, Any], results_dir: pathlib.Path) -> list[pathlib.Path]:
+    md, js = results_dir / "results.md", results_dir / "results.json"
+    md.write_text(table_markdown(table))
+    js.write_text(json.dumps(table, indent=2) + "\n")
+    return [md, js]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Figures.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _color(method: str) -> str:
+    return f"C{list(METHODS).index(method) % 10}" if method in METHODS else "k"
+
+
+def _band(ax, runs: dict[int, Records], key: str, label: str, color: str) -> bool:
+    steps, mean, std = seed_band(runs, key)
+    if not steps.size:
+        return False
+    ax.plot(steps, mean, color=color, label=f"{label} (n={len(runs)})", marker="." if steps.size < 15 else None)
+    ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+    return True
+
+
+def plot_curves(tree: Tree, methods: dict[str, str], path: pathlib.Path, title: str) -> pathlib.Path | None:
+    """Training response length and eval pass@1 vs RL step for `methods` ({name: label})."""
+    present = {m: lab for m, lab in methods.items() if tree.get(m)}
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m, label in present.items():
+        _band(axes[0], tree[m], "rollout/response_length_mean", label, _color(m))
+        _band(axes[1], tree[m], "eval/pass@1", label, _color(m))
+    axes[0].set(xlabel="RL step", ylabel="mean response length (tokens)", title="(a) training response length")
+    axes[1].set(xlabel="RL step", ylabel="greedy pass@1 (test split)", title="(b) test accuracy")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(f"{title} -- mean ± std over seeds (tiny model, synthetic task)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_position(tree: Tree, path: pathlib.Path, response_len: int | None) -> pathlib.Path | None:
+    """Mean value and mean (raw) advantage per response-position bucket at the first RL step (paper Fig. 2)."""
+    drawn = False
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m in FIG2_METHODS:
+        for ax, prefix in zip(axes, ("diag/value_pos", "diag/adv_pos")):
+            mean, std = position_profile(tree.get(m, {}), prefix)
+            if not mean.size:
+                continue
+            n = mean.size
+            x = np.arange(n) * (response_len / n) if response_len else np.arange(n)
+            ax.errorbar(x, mean, yerr=std, color=_color(m), marker="o", ms=3, capsize=2,
+                        label=f"{METHODS[m]} (n={len(tree[m])})")
+            drawn = True
+    if not drawn:
+        plt.close(fig)
+        return None
+    xlabel = "response token position (bucket start)" if response_len else "response token-position bucket"
+    axes[0].set(xlabel=xlabel, ylabel="mean value V(s_t)", title="(a) initial critic's value by position")
+    axes[1].set(xlabel=xlabel, ylabel="mean advantage (before whitening)", title="(b) advantage by position")
+    for ax in axes:
+        ax.axhline(0.0, color="k", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle("First RL step: value / advantage by token position (paper Fig. 2), mean ± std over seeds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_value_pretraining(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
+    runs = tree.get(VALUE_STAGE, {})
+    if not runs:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    _band(axes[0], runs, "value/loss", "value pretraining", "C1")
+    _band(axes[1], runs, "value/explained_var", "value pretraining", "C1")
+    axes[0].set(xlabel="value-pretraining step", ylabel="value loss (fresh batch, before update)",
+                title="(a) value loss")
+    axes[1].set(xlabel="value-pretraining step", ylabel="explained variance", title="(b) explained variance")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle("Value pretraining on Monte-Carlo returns of the frozen SFT policy (paper Fig. 6)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def make_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path,
+                response_len: int | None = None) -> list[pathlib.Path]:
+    """Writes every figure that has data and the results table; returns the written paths. `response_len` (the
+    runs' max_response_len) puts Fig. 2's x axis in tokens; by default it is read from `<out>/study.json`."""
+    out_dir, results_dir = pathlib.Path(out_dir), pathlib.Path(results_dir)
+    if response_len is None and (out_dir / "study.json").is_file():
+        response_len = json.loads((out_dir / "study.json").read_text()).get("max_response_len")
+    tree = load_tree(out_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    written = [
+        plot_curves(tree, {m: METHODS[m] for m in FIG1_METHODS}, results_dir / "fig1_length_accuracy.png",
+                    "Response length and accuracy during RL (paper Fig. 1)"),
+        plot_curves(tree, {m: f"lambda_actor {lam}" for m, lam in SWEEP.items()},
+                    results_dir / "fig4_lambda_actor_sweep.png", "VC-PPO lambda_actor sweep (paper Table 4)"),
+        plot_position(tree, results_dir / "fig2_value_advantage_by_position.png", response_len),
+        plot_value_pretraining(tree, results_dir / "fig6_value_pretraining.png"),
+    ]
+    return [p for p in written if p is not None] + write_table(results_table(tree), results_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="runs/reproduce", help="the study's run directory")
+    parser.add_argument("--results", default=str(pathlib.Path(__file__).resolve().parent / "results"),
+                        help="where figures and tables go")
+    args = parser.parse_args(argv)
+    if not pathlib.Path(args.out).is_dir():
+        sys.exit(f"error: --out={args.out!r} is not a directory")
+    for path in make_report(args.out, args.results):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""The paper's comparisons on the synthetic long-CoT task, on CPU, over several seeds, in one resumable command.
+
+  python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (<= 1.95 h, 2 CPU cores)
+  python experiments/reproduce.py --quick               # ~10 min: 1 seed, 4 methods, a smaller model and task
+  python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
+
+Methods (configs/<file>.py plus the overrides in `RECIPES`): `ppo` (one lambda 0.95, critic from the outcome reward
+model), `vcppo`, `vcppo_no_vpt` (critic_init='actor'), `vcppo_no_dgae` (value-pretrained critic, lambda_actor =
+lambda_critic = 0.95), `grpo`, and the lambda_actor sweep `vcppo_la0.9`, `vcppo_la0.99`, `vcppo_la1.0` (its 0.95 point
+is `vcppo`). Every seed has one SFT, one value-pretraining and one reward-model run under `<out>/seed<k>/`, shared by
+all its methods through `sft_dir` / `critic_dir`; the task data (fixed, seed-independent) lives in `<out>/tfds`.
+A run whose checkpoint meta says `done` is skipped, an unfinished one resumes, so rerunning the command continues the
+study. At the end `plot_results.make_report` writes the figures and tables to `experiments/results/` (for --quick:
+`<out>/results/`).
+
+Runtime (the study, 2 CPU cores): measured steady per-step times at the default sizes are RL ~2.5 s, SFT ~1 s,
+value pretraining ~1.4 s (the reward model shares that loop); assume ~40 s of compile and setup per run and ~2 s per
+64-prompt greedy evaluation. Per seed: SFT 400 x 1 s + 4 evals + setup = 448 s; value pretraining and reward model at
+most 80 x 1.4 s + setup = 152 s each; 8 RL runs x (60 x 2.5 s + 4 evals + setup) = 1584 s; total 2336 s per seed,
+1.95 h for 3 seeds. That is an upper bound: the critic stages stop when they converge (often ~40 steps), and the
+persistent compilation cache (`<out>/jax_cache`) serves seeds 2-3 and the runs that compile the same programs
+(ppo / vcppo_no_dgae, vcppo / vcppo_no_vpt) without recompiling, so ~1.7 h is expected. `estimate_seconds` computes
+this from the plan and the command prints it, counting only unfinished runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+import time
+import traceback
+from typing import Any, Sequence
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+import ml_collections  # noqa: E402
+
+import plot_results  # noqa: E402
+from vcppo_jax import config as config_lib  # noqa: E402
+from vcppo_jax import stages  # noqa: E402
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+# method -> (config file, fields set on it). Display labels and the paper's numbers live in plot_results.METHODS.
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "ppo": ("ppo", {}),
+    "vcppo": ("vcppo", {}),
+    "vcppo_no_vpt": ("vcppo", {"critic_init": "actor"}),
+    "vcppo_no_dgae": ("vcppo", {"lambda_actor": 0.95, "lambda_critic": 0.95}),
+    "grpo": ("grpo", {}),
+    "vcppo_la0.9": ("vcppo", {"lambda_actor": 0.9}),
+    "vcppo_la0.99": ("vcppo", {"lambda_actor": 0.99}),
+    "vcppo_la1.0": ("vcppo", {"lambda_actor": 1.0}),
+}
+STAGE_ORDER = ("sft", "value_pretrain", "reward_model")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A study size. `fields` holds flattened (dotted) config fields per group: 'common' (every RL config, and so
+    every stage through `stages.derived_config`), 'rl', 'sft', 'value' (value pretraining and reward model).
+    `step_scale` scales the measured default-size step times in the runtime estimate."""
+
+    seeds: int
+    methods: tuple[str, ...]
+    fields: dict[str, dict[str, Any]]
+    step_scale: float = 1.0
+
+
+PROFILES = {
+    # The config files' defaults: the sizes the per-step times were measured at.
+    "full": Profile(seeds=3, methods=tuple(RECIPES), fields={}),
+    # Smaller model and shorter chains of thought (2 two-digit terms); fewer steps. step_scale is a guess (not
+    # measured): 2 layers of width 64 over ~90-token sequences vs 4 of width 128 over ~136.
+    "quick": Profile(seeds=1, methods=("ppo", "vcppo", "vcppo_no_dgae", "grpo"), step_scale=0.35, fields={
+        "common": {"model.hidden_size": 64, "model.intermediate_size": 192, "model.num_layers": 2,
+                   "model.num_heads": 4, "model.num_kv_heads": 2, "task.knobs.max_terms": 2,
+                   "task.max_response_len": 64},
+        "rl": {"num_steps": 40, "eval_every": 10, "save_every": 20},
+        "sft": {"num_steps": 300, "optim.decay_steps": 280, "eval_every": 100},
+        "value": {"max_steps": 30, "min_steps": 10},
+    }),
+    # Wiring check in seconds of compute (tests / development): nothing learns. RL eval_every 2, not 1: read_metrics
+    # keeps one record per step, so an eval at step 1 would hide the first RL step's diagnostics (Fig. 2).
+    "tiny": Profile(seeds=1, methods=("vcppo",), step_scale=0.05, fields={
+        "common": {"model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 2,
+                   "model.num_heads": 2, "model.num_kv_heads": 2, "model.max_position_embeddings": 64,
+                   "task.max_prompt_len": 12, "task.max_response_len": 16, "task.knobs.max_terms": 2,
+                   "task.knobs.min_digits": 1, "task.knobs.num_train": 64, "task.knobs.num_test": 16,
+                   "progress_bar": False, "tensorboard": False},
+        "rl": {"num_steps": 2, "eval_every": 2, "save_every": 1, "prompts_per_step": 4, "group_size": 2,
+               "num_minibatches": 2, "eval_prompts": 8, "diag_buckets": 4, "diag_early_tokens": 4,
+               "logprob_chunk": 8},
+        "sft": {"num_steps": 3, "batch_size": 8, "eval_every": 3, "eval_prompts": 8, "optim.warmup_steps": 1,
+                "optim.decay_steps": 2},
+        "value": {"max_steps": 2, "min_steps": 1, "prompts_per_step": 4, "group_size": 2, "logprob_chunk": 8},
+    }),
+}
+
+# Runtime model (seconds, 2 CPU cores, default sizes; see the module docstring).
+STEP_S = {"rl": 2.5, "sft": 1.0, "value_pretrain": 1.4, "reward_model": 1.4}
+SETUP_S = 40.0
+EVAL_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    name: str  # a method of RECIPES or a stage of STAGE_ORDER
+    seed: int
+    config: ml_collections.ConfigDict
+    needs: tuple[str, ...]  # workdirs that must be finished first
+
+    @property
+    def workdir(self) -> str:
+        return self.config.workdir
+
+
+def _apply(c: ml_collections.ConfigDict, fields: dict[str, Any]) -> ml_collections.ConfigDict:
+    if fields:
+        c.update_from_flattened_dict(dict(fields))
+    return c
+
+
+def rl_config(method: str, seed: int, out: pathlib.Path, profile: Profile) -> ml_collections.ConfigDict:
+    """configs/<file>.py + the method's fields + the profile's sizes; stages of this seed live in out/seed<k>/."""
+    if method not in RECIPES:
+        raise ValueError(f"method={method!r} is unknown; choose from {tuple(RECIPES)}")
+    file, fields = RECIPES[method]
+    seed_dir = out / f"seed{seed}"
+    c = _apply(stages.load_config_file(file), fields)
+    c.seed = seed
+    c.workdir = str(seed_dir / method)
+    c.sft_dir = str(seed_dir / "sft")
+    c.critic_dir = str(seed_dir / c.critic_init) if c.critic_init in ("value_pretrain", "reward_model") else ""
+    c.task.data_dir = str(out / "tfds")
+    _apply(c, profile.fields.get("common", {}))
+    _apply(c, profile.fields.get("rl", {}))
+    return config_lib.validate(c)
+
+
+def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[str], profile: Profile
+               ) -> list[Run]:
+    """Seed by seed: the stages the chosen methods need (each once), then the methods' RL runs."""
+    out = pathlib.Path(out).resolve()
+    methods = list(dict.fromkeys(methods))
+    unknown = [m for m in methods if m not in RECIPES]
+    if unknown or not methods:
+        raise ValueError(f"--only={','.join(methods)!r}: unknown or empty; choose from {','.join(RECIPES)}")
+    if not seeds or any(s < 0 for s in seeds):
+        raise ValueError(f"seeds={list(seeds)} must be a non-empty list of integers >= 0")
+    plan: list[Run] = []
+    for seed in seeds:
+        rl_runs = [rl_config(m, seed, out, profile) for m in methods]
+        stage_cfgs: dict[str, ml_collections.ConfigDict] = {}
+        for c in rl_runs:
+            for stage, workdir in stages.prerequisites(c):
+                if stage not in stage_cfgs:
+                    group = "sft" if stage == "sft" else "value"
+                    stage_cfgs[stage] = config_lib.validate(
+                        _apply(stages.derived_config(c, stage, workdir), profile.fields.get(group, {})))
+        for stage in STAGE_ORDER:
+            if stage in stage_cfgs:
+                sc = stage_cfgs[stage]
+                plan.append(Run(stage, seed, sc, tuple(w for _, w in stages.prerequisites(sc))))
+        plan += [Run(m, seed, c, tuple(w for _, w in stages.prerequisites(c))) for m, c in zip(methods, rl_runs)]
+    return plan
+
+
+def _num_evals(steps: int, every: int, at_start: bool) -> int:
+    return int(at_start) + steps // every + int(steps % every != 0)
+
+
+def estimate_seconds(run: Run, step_scale: float = 1.0) -> float:
+    """Upper-bound wall time of one run on 2 CPU cores (value stages counted at max_steps)."""
+    c = run.config
+    if c.stage == "rl":
+        steps, evals = c.num_steps, _num_evals(c.num_steps, c.eval_every, True)
+    elif c.stage == "sft":
+        steps, evals = c.num_steps, _num_evals(c.num_steps, c.eval_every, False)
+    else:
+        steps, evals = c.max_steps, 0
+    return SETUP_S + step_scale * (steps * STEP_S[c.stage] + evals * EVAL_S)
+
+
+def _status(run: Run) -> str:
+    return "done" if stages.stage_done(run.workdir) else "pending"
+
+
+def run_plan(plan: Sequence[Run], step_scale: float = 1.0) -> tuple[list[Run], bool]:
+    """Runs every unfinished run in order (each resumes from its checkpoint); a failure is reported and its
+    dependents skipped, the rest continue. A run that returns unfinished was preempted (SIGTERM: it saved and
+    stopped), so the study stops there too. Returns (failed or skipped runs, whether the study stopped early)."""
+    failed: set[str] = set()
+    bad: list[Run] = []
+    for i, run in enumerate(plan):
+        tag = f"[reproduce {i + 1}/{len(plan)}] seed {run.seed} {run.name}"
+        if stages.stage_done(run.workdir):
+            print(f"{tag}: done, skipping ({run.workdir})", flush=True)
+            continue
+        if any(w in failed for w in run.needs):
+            print(f"{tag}: skipped, a stage it needs failed", flush=True)
+            failed.add(run.workdir)
+            bad.append(run)
+            continue
+        print(f"{tag}: running in {run.workdir} (estimate <= {estimate_seconds(run, step_scale) / 60:.1f} min)",
+              flush=True)
+        t0 = time.perf_counter()
+        try:
+            stages.run_stage(run.config)
+        except Exception:  # noqa: BLE001 - one bad run (e.g. halted on non-finite losses) must not end the study
+            traceback.print_exc()
+            print(f"{tag}: FAILED after {time.perf_counter() - t0:.0f} s", flush=True)
+            failed.add(run.workdir)
+            bad.append(run)
+            continue
+        if not stages.stage_done(run.workdir):
+            print(f"{tag}: stopped unfinished (preempted); rerun the command to resume", flush=True)
+            return bad, True
+        print(f"{tag}: finished in {time.perf_counter() - t0:.0f} s", flush=True)
+    return bad, False
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/reproduce", help="root of the study's runs (default runs/reproduce)")
+    p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="~10 min version: 1 seed, 4 methods, smaller model/task")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-sized wiring check
+    p.add_argument("--only", default="", help=f"comma-separated methods out of {','.join(RECIPES)}")
+    p.add_argument("--results", default=None,
+                   help="figures/tables dir (default experiments/results; --quick/--tiny: <out>/results)")
+    p.add_argument("--compile-cache", default=None,
+                   help="persistent JAX compilation cache dir (default <out>/jax_cache; '' disables)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
+    args = p.parse_args(argv)
+    if args.quick and args.tiny:
+        p.error("--quick and --tiny are exclusive")
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds={args.seeds} must be >= 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    profile = PROFILES[name]
+    out = pathlib.Path(args.out).resolve()
+    methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)
+    seeds = list(range(args.seeds if args.seeds is not None else profile.seeds))
+    try:
+        plan = build_plan(out, seeds, methods, profile)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    results = pathlib.Path(args.results) if args.results else (RESULTS_DIR if name == "full" else out / "results")
+
+    pending = [r for r in plan if _status(r) == "pending"]
+    total = sum(estimate_seconds(r, profile.step_scale) for r in pending)
+    print(f"[reproduce] profile {name}: {len(plan)} runs ({len(pending)} to do), seeds {seeds}, methods "
+          f"{','.join(methods)}; estimated <= {total / 3600:.2f} h on 2 CPU cores", flush=True)
+    for r in plan:
+        print(f"  seed {r.seed} {r.name:15s} {_status(r):8s} {r.workdir}")
+    if args.dry_run:
+        return 0
+
+    cache = str(out / "jax_cache") if args.compile_cache is None else args.compile_cache
+    if cache:
+        import jax  # noqa: PLC0415
+
+        jax.config.update("jax_compilation_cache_dir", cache)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    out.mkdir(parents=True, exist_ok=True)
+    rl0 = next(r.config for r in plan if r.config.stage == "rl")
+    (out / "study.json").write_text(json.dumps({
+        "profile": name, "max_response_len": rl0.task.max_response_len, "diag_buckets": rl0.diag_buckets}) + "\n")
+
+    t0 = time.perf_counter()
+    bad, stopped = run_plan(plan, profile.step_scale)
+    print(f"[reproduce] runs finished in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+    for path in plot_results.make_report(out, results):
+        print(f"[reproduce] wrote {path}")
+    if bad:
+        print("[reproduce] failed or skipped: " + ", ".join(f"seed {r.seed} {r.name}" for r in bad), flush=True)
+        return 1
+    return 1 if stopped else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
