@@ -13,14 +13,13 @@ A run whose checkpoint meta says `done` is skipped, an unfinished one resumes, s
 study. At the end `plot_results.make_report` writes the figures and tables to `experiments/results/` (for --quick:
 `<out>/results/`).
 
-Runtime (the study, 2 CPU cores): measured steady per-step times at the default sizes are RL ~2.5 s, SFT ~1 s,
-value pretraining ~1.4 s (the reward model shares that loop); assume ~40 s of compile and setup per run and ~2 s per
-64-prompt greedy evaluation. Per seed: SFT 400 x 1 s + 4 evals + setup = 448 s; value pretraining and reward model at
-most 80 x 1.4 s + setup = 152 s each; 8 RL runs x (60 x 2.5 s + 4 evals + setup) = 1584 s; total 2336 s per seed,
-1.95 h for 3 seeds. That is an upper bound: the critic stages stop when they converge (often ~40 steps), and the
-persistent compilation cache (`<out>/jax_cache`) serves seeds 2-3 and the runs that compile the same programs
-(ppo / vcppo_no_dgae, vcppo / vcppo_no_vpt) without recompiling, so ~1.7 h is expected. `estimate_seconds` computes
-this from the plan and the command prints it, counting only unfinished runs.
+Runtime (the study, 2 CPU cores): per-step times measured in the default main job on an otherwise idle machine are
+SFT ~0.56 s, value pretraining ~0.8 s (the reward model shares that loop), RL ~1.2 s; assume ~40 s of compile and
+setup per run and ~2 s per 64-prompt greedy evaluation. Per seed: SFT 400 x 0.56 s + 4 evals + setup = 272 s; value
+pretraining and reward model at most 80 x 0.8 s + setup = 104 s each; 8 RL runs x (100 x 1.2 s + 5 evals + setup)
+= 1360 s; total ~1840 s per seed, ~1.5 h for 3 seeds (an upper bound: the critic stages usually converge before
+their cap, and the persistent compilation cache (`<out>/jax_cache`) serves repeated programs). `estimate_seconds`
+computes this from the plan and the command prints it, counting only unfinished runs.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ PROFILES = {
 }
 
 # Runtime model (seconds, 2 CPU cores, default sizes; see the module docstring).
-STEP_S = {"rl": 2.5, "sft": 1.0, "value_pretrain": 1.4, "reward_model": 1.4}
+STEP_S = {"rl": 1.2, "sft": 0.56, "value_pretrain": 0.8, "reward_model": 0.8}
 SETUP_S = 40.0
 EVAL_S = 2.0
 

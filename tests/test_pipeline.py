@@ -9,8 +9,10 @@ compilation cache in a module-scoped temp dir lets it load them instead (compili
 import json
 import logging
 import math
+import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -276,6 +278,27 @@ def test_sft_resume_matches_uninterrupted_run(root, runs):
     assert saved_steps(sft.workdir) == [2, 3]
     model = CausalLM(model_config(config.sft_dir))
     assert_trees_close(load(sft.workdir, model, "params"), load(config.sft_dir, model, "params"), rtol=0, atol=1e-6)
+
+
+def test_sigterm_saves_the_finished_step_and_stops(root, runs, monkeypatch):
+    """SIGTERM (TPU preemption) during a run: the loop saves the step it finished and exits; a rerun completes it
+    with the same params as the uninterrupted run."""
+    config, _ = runs["vcppo"]
+    workdir = root / "vcppo_preempted"
+    log = rt_lib.StepLogger.log
+
+    def log_then_sigterm(self, step, metrics, **kw):
+        log(self, step, metrics, **kw)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(rt_lib.StepLogger, "log", log_then_sigterm)
+    run_rl(with_fields(config, workdir=workdir, save_every=100))  # no periodic save: step 1 is the guard's
+    assert saved_steps(workdir) == [1] and not ckpt_lib.read_meta(workdir)["done"]
+    monkeypatch.undo()
+    run_rl(with_fields(config, workdir=workdir, save_every=100))
+    assert saved_steps(workdir) == [1, 2]
+    assert_same_rl_state(workdir, config.workdir)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(root, runs, caplog):

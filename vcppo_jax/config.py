@@ -152,10 +152,10 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.critic_optim = optim_config(3e-4)
     c.logprob_chunk = 128
     # Loop.
-    c.num_steps = 60
-    c.eval_every = 20
+    c.num_steps = 100
+    c.eval_every = 25
     c.eval_prompts = 64
-    c.save_every = 20
+    c.save_every = 25
     c.diag_buckets = 16  # token-position buckets for the value/advantage-by-position diagnostics.
     c.diag_early_tokens = 16
     return c
