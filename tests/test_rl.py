@@ -39,7 +39,8 @@ def make_rollout(seed=0):
     seq_rewards = np.where(rs.rand(B) > 0.5, 1.0, -1.0).astype(np.float32)
     rewards = np.zeros((B, R), np.float32)
     rewards[np.arange(B), resp_len - 1] = seq_rewards
-    return dict(tokens=jnp.asarray(tokens, jnp.int32), attn_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask], 1)),
+    attn_mask = np.concatenate([prompt_mask, resp_mask], 1)
+    return dict(tokens=jnp.asarray(tokens, jnp.int32), attn_mask=jnp.asarray(attn_mask),
                 response_mask=jnp.asarray(resp_mask, jnp.float32), rewards=jnp.asarray(rewards),
                 seq_rewards=jnp.asarray(seq_rewards))
 
