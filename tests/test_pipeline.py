@@ -301,6 +301,15 @@ def test_sigterm_saves_the_finished_step_and_stops(root, runs, monkeypatch):
     assert_same_rl_state(workdir, config.workdir)
 
 
+def test_fresh_start_refuses_a_workdir_with_checkpoints(runs):
+    """resume=False on a finished run's workdir fails up front and leaves its checkpoints as they were."""
+    config, _ = runs["vcppo"]
+    before = saved_steps(config.workdir)
+    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+        run_rl(with_fields(config, resume=False))
+    assert saved_steps(config.workdir) == before
+
+
 def test_corrupt_latest_checkpoint_falls_back_to_previous(root, runs, caplog):
     config, _ = runs["vcppo"]
     workdir = root / "vcppo_corrupt"

@@ -152,7 +152,13 @@ def checkpointer(config: ml_collections.ConfigDict) -> ckpt_lib.Checkpointer:
 
 def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDict, target, init: Callable[[], Any]
                     ) -> tuple[Any, dict, int]:
-    """(state, meta, step): the latest checkpoint when `config.resume` and one exists, else `init()` at step 0."""
+    """(state, meta, step): the latest checkpoint when `config.resume` and one exists, else `init()` at step 0.
+
+    With resume=False a workdir that already holds checkpoints is an error: starting over there would mix two runs'
+    steps (and the existing ones are never overwritten)."""
+    if not config.resume and ckpt.latest_step() is not None:
+        raise FileExistsError(f"config.resume=False but {config.workdir} already holds checkpoints (steps "
+                              f"{ckpt.all_steps()}); use a new workdir, or resume=True to continue that run")
     if config.resume and ckpt.latest_step() is not None:
         state, meta, step = ckpt.restore(target)
         logging.info("resumed %s from step %d", config.workdir, step)

@@ -116,7 +116,7 @@ def main_guard(fn: Callable, config: ml_collections.ConfigDict) -> Any:
     line instead of a traceback."""
     try:
         return fn(config)
-    except (ValueError, FileNotFoundError) as e:  # ConfigError and CheckpointMismatchError are ValueErrors
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError and CheckpointMismatchError are ValueErrors
         sys.exit(f"error: {e}")
 
 
