@@ -5,11 +5,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from vcppo_jax import runtime
+
 
 def abstract_params(model: nn.Module):
-    """Boxed abstract variables of a CausalLM/ValueModel (shapes and logical axes, no FLOPs)."""
-    dummy = (jnp.zeros((1, 1), jnp.int32),) * 2 + (jnp.ones((1, 1), bool),)
-    return jax.eval_shape(lambda r: model.init(r, *dummy), jax.random.key(0))
+    """Boxed abstract variables {'params': ...} of a CausalLM/ValueModel (shapes and logical axes, no FLOPs)."""
+    return {"params": runtime.abstract_params(model)}
 
 
 def random_params(model: nn.Module, seed: int = 0, scale: float = 0.15) -> dict:

@@ -15,7 +15,7 @@ from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax.data.batching import batch_indices, encode_sft
 from vcppo_jax.metrics import Timer
-from vcppo_jax.models import CausalLM, load_hf_checkpoint
+from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer, train_epochs
 from vcppo_jax.rl import policy_logprobs
 from vcppo_jax.rollout import evaluate
@@ -61,8 +61,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
     def init():
         if hf_vars is not None:
             return jax.device_put(init_model_state(hf_vars["params"], tx), shardings)
-        fresh = lambda: init_model_state(nn.unbox(model.init(jax.random.PRNGKey(config.seed),
-                                                             *rt_lib._dummy_inputs()))["params"], tx)
+        fresh = lambda: init_model_state(init_params(model, jax.random.PRNGKey(config.seed))["params"], tx)
         return jax.jit(fresh, out_shardings=shardings)()
 
     ckpt = rt_lib.checkpointer(config)
