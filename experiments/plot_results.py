@@ -7,9 +7,14 @@ Reads `<out>/seed<k>/<run>/metrics.jsonl` (run = a method of `METHODS`, or the `
   fig4_lambda_actor_sweep.png       the same for the lambda_actor sweep (paper Table 4 runs)
   fig2_value_advantage_by_position.png  mean value / advantage per token-position bucket at the first RL step,
                                     PPO baseline vs VC-PPO (paper Fig. 2)
+  fig2b_critic_diagnostics.png      early-token advantage bias and the critic's explained variance (on each fresh
+                                    batch, before the update) vs RL step, for the methods with a critic
   fig6_value_pretraining.png        value-pretraining loss and explained variance vs step (paper Fig. 6)
-  results.md, results.json          final eval pass@1 and response length per method (mean +- std over seeds),
-                                    beside the paper's Tables 1, 2 and 4 (Qwen2.5-32B, AIME) -- different scale
+  results.md, results.json          final eval pass@1 and response length, sampled accuracy over the last
+                                    `LAST_STEPS` RL steps, per method (mean +- std over seeds), beside the paper's
+                                    Tables 1, 2 and 4 (Qwen2.5-32B, AIME) -- different scale; and the critic at the
+                                    first RL step (value at the first tokens, early-token advantage bias, explained
+                                    variance)
 
   python experiments/plot_results.py --out runs/reproduce [--results experiments/results]
 
@@ -53,6 +58,12 @@ METHODS = {
 FIG1_METHODS = ("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae", "grpo")
 SWEEP = {"vcppo_la0.9": 0.9, "vcppo": 0.95, "vcppo_la0.99": 0.99, "vcppo_la1.0": 1.0}
 FIG2_METHODS = ("ppo", "vcppo")
+CRITIC_METHODS = ("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae")
+STEP1_KEYS = ("rollout/reward_mean", "diag/value_pos00", "diag/adv_pos00", "diag/adv_early_bias",
+              "value/explained_var_old")
+SMOOTH = 5  # trailing window (RL steps) for the per-step training curves; evaluations are drawn as they are
+LAST_STEPS = 10  # sampled accuracy is averaged over this many final RL steps (32 samples each): less noisy than
+# the final greedy pass@1 on 64 test prompts, where one prompt is 1.6 points.
 VALUE_STAGE = "value_pretrain"
 
 # The paper's AIME 2024 pass@1 (%) for Qwen2.5-32B (arXiv 2503.01491): Table 1 (main), Table 2 (ablation),
@@ -124,6 +135,20 @@ def first_value(records: Records, key: str) -> tuple[int, float] | None:
     return (int(steps[0]), float(values[0])) if steps.size else None
 
 
+def steps_mean(records: Records, key: str, n: int | None = None, *, last: bool = True) -> float | None:
+    """Mean of `key` over the last (or first) `n` steps that logged it; n=None: over all of them."""
+    _, values = series(records, key)
+    if n is not None:
+        values = values[-n:] if last else values[:n]
+    return float(values.mean()) if values.size else None
+
+
+def at_first_rl_step(records: Records, key: str) -> float | None:
+    """`key` at the first RL step (step 1: computed by the initial critic on the first rollout)."""
+    first = next((r for r in records if r["step"] >= 1 and r.get(key) is not None), None)
+    return None if first is None else float(first[key])
+
+
 def position_profile(runs: dict[int, Records], prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """Mean and std over seeds of `<prefix>NN` (NN = bucket) at each seed's first RL step (the first record with
     `<prefix>00` at step >= 1, i.e. computed by the initial critic). Returns (mean [buckets], std [buckets])."""
@@ -146,9 +171,15 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
             "per_seed": [float(v) for v in arr]}
 
 
+def _over_seeds(runs: dict[int, Records], fn) -> dict[str, Any] | None:
+    values = [v for v in (fn(records) for records in runs.values()) if v is not None]
+    return _stats(values) if values else None
+
+
 def results_table(tree: Tree) -> dict[str, Any]:
-    """Per method: final (last evaluated step) eval/pass@1 and eval/response_length_mean over seeds, and pass@1 at
-    step 0 (the SFT policy), with the paper's numbers beside them."""
+    """Per method: final (last evaluated step) eval/pass@1 and eval/response_length_mean over seeds, pass@1 at
+    step 0 (the SFT policy), sampled accuracy over the last `LAST_STEPS` RL steps, and (methods with a critic) the
+    initial critic's diagnostics at step 1, with the paper's numbers beside them."""
     ours = {}
     for method in METHODS:
         runs = tree.get(method, {})
@@ -162,13 +193,35 @@ def results_table(tree: Tree) -> dict[str, Any]:
         starts = [f for f in (first_value(r, "eval/pass@1") for r in runs.values()) if f is not None and f[0] == 0]
         if starts:
             row["eval/pass@1_step0"] = _stats([f[1] for f in starts])
+        cells = {}
+        for key in ("rollout/accuracy", "rollout/response_length_mean"):
+            for part, last in (("first", False), ("last", True)):
+                cells[f"{key}_{part}{LAST_STEPS}"] = lambda r, key=key, last=last: steps_mean(r, key, LAST_STEPS,
+                                                                                                 last=last)
+        for key in ("policy/approx_kl", "policy/clipfrac"):
+            cells[f"{key}_mean"] = lambda r, key=key: steps_mean(r, key)
+        if method in CRITIC_METHODS:
+            cells.update({f"step1/{k}": (lambda r, k=k: at_first_rl_step(r, k)) for k in STEP1_KEYS})
+        for name, fn in cells.items():
+            stats = _over_seeds(runs, fn)
+            if stats is not None:
+                row[name] = stats
         if len(row) > 2:
             ours[method] = row
     return {"ours": ours, "paper": PAPER, "note": PAPER_NOTE,
             "columns": {"ours": "greedy pass@1 on the test split (a fraction here, % in results.md) and mean "
-                                "response length (tokens) at the last evaluation, tiny model, synthetic task, "
-                                "mean and sample std over seeds",
-                        "paper": "AIME 2024 pass@1 (%), Qwen2.5-32B"}}
+                                "response length (tokens) at the last evaluation, sampled accuracy of the "
+                                f"training rollouts over the last {LAST_STEPS} RL steps, tiny model, synthetic "
+                                "task, mean and sample std over seeds",
+                        "paper": "AIME 2024 pass@1 (%), Qwen2.5-32B",
+                        "step1": "The initial critic on the first RL rollout: the mean reward (with gamma = 1 and "
+                                 "the reward at the last token, this is the Monte-Carlo return of every token: "
+                                 "what a calibrated critic predicts on average), mean value and mean advantage "
+                                 "(before whitening) over the first token-position bucket, early-token advantage "
+                                 "bias (mean advantage of each response's first tokens minus the rest), explained "
+                                 "variance of the values w.r.t. the critic's own targets (GAE(lambda_critic) "
+                                 "returns: Monte-Carlo returns when lambda_critic = 1, partly bootstrapped on the "
+                                 "critic itself when it is 0.95)"}}
 
 
 def _fmt(stats: dict | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -182,21 +235,42 @@ def table_markdown(table: dict[str, Any]) -> str:
     lines = ["# Results: ours (tiny model, synthetic task) vs the paper (Qwen2.5-32B, AIME)", "",
              f"Ours: {table['columns']['ours']}. Paper: {table['columns']['paper']}.", "",
              "| method | seeds | final step | ours: pass@1 (%) | ours: response length | ours: pass@1 at step 0 (%) "
-             "| paper: AIME pass@1 (%, 32B) |",
-             "|---|---|---|---|---|---|---|"]
+             f"| ours: sampled accuracy, last {LAST_STEPS} steps (%) | paper: AIME pass@1 (%, 32B) |",
+             "|---|---|---|---|---|---|---|---|"]
     for method, label in METHODS.items():
         row = table["ours"].get(method)
         paper = " · ".join(f"{t} {v:.1f}" for t, v in table["paper"].get(method, {}).items()) or "-"
         if row is None:
-            lines.append(f"| {label} | 0 | - | - | - | - | {paper} |")
+            lines.append(f"| {label} | 0 | - | - | - | - | - | {paper} |")
             continue
         steps = sorted(set(row.get("eval/pass@1", {}).get("steps", [])))
         step_text = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
         lines.append(f"| {label} | {len(row['seeds'])} | {step_text} | {_fmt(row.get('eval/pass@1'), 100)} | "
                      f"{_fmt(row.get('eval/response_length_mean'))} | "
-                     f"{_fmt(row.get('eval/pass@1_step0'), 100)} | {paper} |")
-    lines += ["", table["note"], ""]
-    return "\n".join(lines)
+                     f"{_fmt(row.get('eval/pass@1_step0'), 100)} | "
+                     f"{_fmt(row.get(f'rollout/accuracy_last{LAST_STEPS}'), 100)} | {paper} |")
+    lines += ["", table["note"], "",
+              "## The critic at the first RL step", "", table["columns"]["step1"] + ".", "",
+              "| method | mean reward | value, first bucket | advantage, first bucket | early-token advantage bias "
+              "| explained variance |", "|---|---|---|---|---|---|"]
+    for method in CRITIC_METHODS:
+        row = table["ours"].get(method, {})
+        cells = [_fmt(row.get(f"step1/{k}"), digits=3) for k in STEP1_KEYS]
+        lines.append(f"| {METHODS[method]} | " + " | ".join(cells) + " |")
+    n = LAST_STEPS
+    lines += ["", "## How far RL moved the policy", "",
+              f"Training rollouts: sampled accuracy and mean response length over the first and the last {n} RL "
+              "steps; PPO-ratio statistics of the actor updates, averaged over all steps.", "",
+              f"| method | sampled accuracy, first {n} -> last {n} steps (%) | response length, first {n} -> last {n} "
+              "steps | approx. KL per update | clip fraction (%) |", "|---|---|---|---|---|"]
+    for method, label in METHODS.items():
+        row = table["ours"].get(method, {})
+        acc = " -> ".join(_fmt(row.get(f"rollout/accuracy_{p}{n}"), 100) for p in ("first", "last"))
+        length = " -> ".join(_fmt(row.get(f"rollout/response_length_mean_{p}{n}")) for p in ("first", "last"))
+        kl = row.get("policy/approx_kl_mean")
+        kl_text = "-" if not kl else f"{kl['mean']:.1e}" + (f" ± {kl['std']:.1e}" if kl["std"] is not None else "")
+        lines.append(f"| {label} | {acc} | {length} | {kl_text} | {_fmt(row.get('policy/clipfrac_mean'), 100, 2)} |")
+    return "\n".join(lines + [""])
 
 
 def write_table(table: dict[str, Any], results_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -215,13 +289,35 @@ def _color(method: str) -> str:
     return f"C{list(METHODS).index(method) % 10}" if method in METHODS else "k"
 
 
-def _band(ax, runs: dict[int, Records], key: str, label: str, color: str) -> bool:
+def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """y[t] = mean(x[max(0, t - window + 1) : t + 1]): smooths per-step noise, keeps the first point as is."""
+    c = np.cumsum(np.concatenate([[0.0], x]))
+    t = np.arange(1, x.size + 1)
+    return (c[t] - c[np.maximum(t - window, 0)]) / np.minimum(t, window)
+
+
+def _band(ax, runs: dict[int, Records], key: str, label: str, color: str, smooth: int = 1) -> bool:
     steps, mean, std = seed_band(runs, key)
     if not steps.size:
         return False
+    if smooth > 1:
+        mean, std = trailing_mean(mean, smooth), trailing_mean(std, smooth)
     ax.plot(steps, mean, color=color, label=f"{label} (n={len(runs)})", marker="." if steps.size < 15 else None)
     ax.fill_between(steps, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
     return True
+
+
+def _save(fig, axes, path: pathlib.Path, title: str, zero_line: bool = False) -> pathlib.Path:
+    for ax in axes:
+        if zero_line:
+            ax.axhline(0.0, color="k", lw=0.5)
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def plot_curves(tree: Tree, methods: dict[str, str], path: pathlib.Path, title: str) -> pathlib.Path | None:
@@ -231,18 +327,12 @@ def plot_curves(tree: Tree, methods: dict[str, str], path: pathlib.Path, title: 
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
     for m, label in present.items():
-        _band(axes[0], tree[m], "rollout/response_length_mean", label, _color(m))
+        _band(axes[0], tree[m], "rollout/response_length_mean", label, _color(m), smooth=SMOOTH)
         _band(axes[1], tree[m], "eval/pass@1", label, _color(m))
-    axes[0].set(xlabel="RL step", ylabel="mean response length (tokens)", title="(a) training response length")
+    axes[0].set(xlabel="RL step", ylabel="mean response length (tokens)",
+                title=f"(a) training response length ({SMOOTH}-step trailing mean)")
     axes[1].set(xlabel="RL step", ylabel="greedy pass@1 (test split)", title="(b) test accuracy")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.suptitle(f"{title} -- mean ± std over seeds (tiny model, synthetic task)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, path, f"{title} -- mean ± std over seeds (tiny model, synthetic task)")
 
 
 def plot_position(tree: Tree, path: pathlib.Path, response_len: int | None) -> pathlib.Path | None:
@@ -265,15 +355,26 @@ def plot_position(tree: Tree, path: pathlib.Path, response_len: int | None) -> p
     xlabel = "response token position (bucket start)" if response_len else "response token-position bucket"
     axes[0].set(xlabel=xlabel, ylabel="mean value V(s_t)", title="(a) initial critic's value by position")
     axes[1].set(xlabel=xlabel, ylabel="mean advantage (before whitening)", title="(b) advantage by position")
-    for ax in axes:
-        ax.axhline(0.0, color="k", lw=0.5)
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.suptitle("First RL step: value / advantage by token position (paper Fig. 2), mean ± std over seeds")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, path, "First RL step: value / advantage by token position (paper Fig. 2), mean ± std "
+                 "over seeds", zero_line=True)
+
+
+def plot_critic_diagnostics(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
+    """Early-token advantage bias and the critic's explained variance on each fresh batch vs RL step."""
+    present = [m for m in CRITIC_METHODS if tree.get(m)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for m in present:
+        _band(axes[0], tree[m], "diag/adv_early_bias", METHODS[m], _color(m), smooth=SMOOTH)
+        _band(axes[1], tree[m], "value/explained_var_old", METHODS[m], _color(m), smooth=SMOOTH)
+    axes[0].set(xlabel="RL step", ylabel="mean advantage: first tokens - rest",
+                title=f"(a) early-token advantage bias ({SMOOTH}-step trailing mean)")
+    axes[1].set_ylim(-1.0, 1.0)  # a rare batch with near-constant returns gives a large negative value
+    axes[1].set(xlabel="RL step", ylabel="explained variance (before the update, axis from -1)",
+                title="(b) critic explained variance on the fresh rollout")
+    return _save(fig, axes, path, "Critic diagnostics during RL -- mean ± std over seeds (tiny model, synthetic task)",
+                 zero_line=True)
 
 
 def plot_value_pretraining(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
@@ -286,14 +387,7 @@ def plot_value_pretraining(tree: Tree, path: pathlib.Path) -> pathlib.Path | Non
     axes[0].set(xlabel="value-pretraining step", ylabel="value loss (fresh batch, before update)",
                 title="(a) value loss")
     axes[1].set(xlabel="value-pretraining step", ylabel="explained variance", title="(b) explained variance")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7)
-    fig.suptitle("Value pretraining on Monte-Carlo returns of the frozen SFT policy (paper Fig. 6)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, axes, path, "Value pretraining on Monte-Carlo returns of the frozen SFT policy (paper Fig. 6)")
 
 
 def make_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path,
@@ -311,6 +405,7 @@ def make_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path,
         plot_curves(tree, {m: f"lambda_actor {lam}" for m, lam in SWEEP.items()},
                     results_dir / "fig4_lambda_actor_sweep.png", "VC-PPO lambda_actor sweep (paper Table 4)"),
         plot_position(tree, results_dir / "fig2_value_advantage_by_position.png", response_len),
+        plot_critic_diagnostics(tree, results_dir / "fig2b_critic_diagnostics.png"),
         plot_value_pretraining(tree, results_dir / "fig6_value_pretraining.png"),
     ]
     return [p for p in written if p is not None] + write_table(results_table(tree), results_dir)

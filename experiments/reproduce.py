@@ -1,30 +1,36 @@
 """The paper's comparisons on the synthetic long-CoT task, on CPU, over several seeds, in one resumable command.
 
-  python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (<= 1.95 h, 2 CPU cores)
+  python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (~1.6 h, 2 CPU cores)
   python experiments/reproduce.py --quick               # ~10 min: 1 seed, 4 methods, a smaller model and task
   python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
+  python experiments/reproduce.py --only ppo,vcppo --set actor_optim.lr=1e-4 --stages-from runs/reproduce \
+      --out runs/reproduce_lr1e-4 --results experiments/results/lr1e-4   # a variant: other RL fields, same stages
 
 Methods (configs/<file>.py plus the overrides in `RECIPES`): `ppo` (one lambda 0.95, critic from the outcome reward
 model), `vcppo`, `vcppo_no_vpt` (critic_init='actor'), `vcppo_no_dgae` (value-pretrained critic, lambda_actor =
 lambda_critic = 0.95), `grpo`, and the lambda_actor sweep `vcppo_la0.9`, `vcppo_la0.99`, `vcppo_la1.0` (its 0.95 point
-is `vcppo`). Every seed has one SFT, one value-pretraining and one reward-model run under `<out>/seed<k>/`, shared by
-all its methods through `sft_dir` / `critic_dir`; the task data (fixed, seed-independent) lives in `<out>/tfds`.
+is `vcppo`). As in the paper, every method starts from one cold-start policy: a single SFT run (`<out>/sft`, trained
+with the first seed) is shared by all seeds and methods. Each seed then has its own value-pretraining and reward-model
+run under `<out>/seed<k>/` (their samples and updates depend on the seed), shared by that seed's methods through
+`sft_dir` / `critic_dir`, and its own RL runs; the task data (fixed, seed-independent) lives in `<out>/tfds`.
 A run whose checkpoint meta says `done` is skipped, an unfinished one resumes, so rerunning the command continues the
 study. At the end `plot_results.make_report` writes the figures and tables to `experiments/results/` (for --quick:
 `<out>/results/`).
 
-Runtime (the study, 2 CPU cores): per-step times measured in the default main job on an otherwise idle machine are
-SFT ~0.56 s, value pretraining ~0.8 s (the reward model shares that loop), RL ~1.2 s; assume ~40 s of compile and
-setup per run and ~2 s per 64-prompt greedy evaluation. Per seed: SFT 400 x 0.56 s + 4 evals + setup = 272 s; value
-pretraining and reward model at most 80 x 0.8 s + setup = 104 s each; 8 RL runs x (100 x 1.2 s + 5 evals + setup)
-= 1360 s; total ~1840 s per seed, ~1.5 h for 3 seeds (an upper bound: the critic stages usually converge before
-their cap, and the persistent compilation cache (`<out>/jax_cache`) serves repeated programs). `estimate_seconds`
-computes this from the plan and the command prints it, counting only unfinished runs.
+Size and runtime (the study, 2 CPU cores): RL runs are 60 steps (the config files' 100 would take ~2.7 h here), with
+a greedy evaluation every 15. Per-step times measured on a 2-core machine during the study: SFT ~1.05 s, value
+pretraining ~1.5 s (the reward model shares that loop), RL ~2.4 s; ~40 s of compile and setup per run and ~3 s per
+64-prompt greedy evaluation. SFT once: 400 x 1.05 s + 4 evals + setup = 472 s; per seed, value pretraining and
+reward model at most 80 x 1.5 s + setup = 160 s each and 8 RL runs x (60 x 2.4 s + 5 evals + setup) = 1592 s; total
+~1.6 h for 3 seeds (an upper bound: the critic stages usually converge before their cap, and the persistent
+compilation cache (`<out>/jax_cache`) serves repeated programs). `estimate_seconds` computes this from the plan and
+the command prints it, counting only unfinished runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import json
 import pathlib
@@ -40,6 +46,7 @@ import ml_collections  # noqa: E402
 
 import plot_results  # noqa: E402
 from vcppo_jax import config as config_lib  # noqa: E402
+from vcppo_jax import runtime  # noqa: E402
 from vcppo_jax import stages  # noqa: E402
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
@@ -71,8 +78,9 @@ class Profile:
 
 
 PROFILES = {
-    # The config files' defaults: the sizes the per-step times were measured at.
-    "full": Profile(seeds=3, methods=tuple(RECIPES), fields={}),
+    # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.
+    "full": Profile(seeds=3, methods=tuple(RECIPES), fields={
+        "rl": {"num_steps": 60, "eval_every": 15, "save_every": 30}}),
     # Smaller model and shorter chains of thought (2 two-digit terms); fewer steps. step_scale is a guess (not
     # measured): 2 layers of width 64 over ~90-token sequences vs 4 of width 128 over ~136.
     "quick": Profile(seeds=1, methods=("ppo", "vcppo", "vcppo_no_dgae", "grpo"), step_scale=0.35, fields={
@@ -83,27 +91,27 @@ PROFILES = {
         "sft": {"num_steps": 300, "optim.decay_steps": 280, "eval_every": 100},
         "value": {"max_steps": 30, "min_steps": 10},
     }),
-    # Wiring check in seconds of compute (tests / development): nothing learns. RL eval_every 2, not 1: read_metrics
-    # keeps one record per step, so an eval at step 1 would hide the first RL step's diagnostics (Fig. 2).
+    # Wiring check in seconds of compute (tests / development): nothing learns. Every batch and RL minibatch is a
+    # multiple of 8, so it also runs on 8 (fake) devices.
     "tiny": Profile(seeds=1, methods=("vcppo",), step_scale=0.05, fields={
         "common": {"model.hidden_size": 32, "model.intermediate_size": 64, "model.num_layers": 2,
                    "model.num_heads": 2, "model.num_kv_heads": 2, "model.max_position_embeddings": 64,
                    "task.max_prompt_len": 12, "task.max_response_len": 16, "task.knobs.max_terms": 2,
                    "task.knobs.min_digits": 1, "task.knobs.num_train": 64, "task.knobs.num_test": 16,
                    "progress_bar": False, "tensorboard": False},
-        "rl": {"num_steps": 2, "eval_every": 2, "save_every": 1, "prompts_per_step": 4, "group_size": 2,
+        "rl": {"num_steps": 2, "eval_every": 2, "save_every": 1, "prompts_per_step": 8, "group_size": 2,
                "num_minibatches": 2, "eval_prompts": 8, "diag_buckets": 4, "diag_early_tokens": 4,
                "logprob_chunk": 8},
         "sft": {"num_steps": 3, "batch_size": 8, "eval_every": 3, "eval_prompts": 8, "optim.warmup_steps": 1,
                 "optim.decay_steps": 2},
-        "value": {"max_steps": 2, "min_steps": 1, "prompts_per_step": 4, "group_size": 2, "logprob_chunk": 8},
+        "value": {"max_steps": 2, "min_steps": 1, "prompts_per_step": 8, "group_size": 2, "logprob_chunk": 8},
     }),
 }
 
 # Runtime model (seconds, 2 CPU cores, default sizes; see the module docstring).
-STEP_S = {"rl": 1.2, "sft": 0.56, "value_pretrain": 0.8, "reward_model": 0.8}
+STEP_S = {"rl": 2.4, "sft": 1.05, "value_pretrain": 1.5, "reward_model": 1.5}
 SETUP_S = 40.0
-EVAL_S = 2.0
+EVAL_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,32 +127,50 @@ class Run:
 
 
 def _apply(c: ml_collections.ConfigDict, fields: dict[str, Any]) -> ml_collections.ConfigDict:
+    """Sets dotted fields; each must exist (ConfigDict.update_from_flattened_dict would add a misspelt one)."""
+    for field in fields:
+        node = c
+        for part in field.split("."):
+            if not isinstance(node, ml_collections.ConfigDict) or part not in node:
+                raise ValueError(f"config field {field!r} does not exist in the {c.get('stage', '?')} config")
+            node = node[part]
     if fields:
         c.update_from_flattened_dict(dict(fields))
     return c
 
 
-def rl_config(method: str, seed: int, out: pathlib.Path, profile: Profile) -> ml_collections.ConfigDict:
-    """configs/<file>.py + the method's fields + the profile's sizes; stages of this seed live in out/seed<k>/."""
+def rl_config(method: str, seed: int, out: pathlib.Path, profile: Profile, rl_set: dict[str, Any] | None = None,
+              stages_from: pathlib.Path | None = None) -> ml_collections.ConfigDict:
+    """configs/<file>.py + the method's fields + the profile's sizes + `rl_set`; the RL run lives in
+    out/seed<k>/<method>, the stages it needs in (stages_from or out)/sft and .../seed<k>/."""
     if method not in RECIPES:
         raise ValueError(f"method={method!r} is unknown; choose from {tuple(RECIPES)}")
     file, fields = RECIPES[method]
-    seed_dir = out / f"seed{seed}"
+    stage_root = stages_from or out
     c = _apply(stages.load_config_file(file), fields)
     c.seed = seed
-    c.workdir = str(seed_dir / method)
-    c.sft_dir = str(seed_dir / "sft")
-    c.critic_dir = str(seed_dir / c.critic_init) if c.critic_init in ("value_pretrain", "reward_model") else ""
-    c.task.data_dir = str(out / "tfds")
+    c.workdir = str(out / f"seed{seed}" / method)
+    c.sft_dir = str(stage_root / "sft")  # one cold-start policy for every seed and method
+    c.critic_dir = (str(stage_root / f"seed{seed}" / c.critic_init)
+                    if c.critic_init in ("value_pretrain", "reward_model") else "")
+    c.task.data_dir = str(stage_root / "tfds")
     _apply(c, profile.fields.get("common", {}))
     _apply(c, profile.fields.get("rl", {}))
+    try:
+        _apply(c, rl_set or {})
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--set: {e}") from None
     return config_lib.validate(c)
 
 
-def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[str], profile: Profile
-               ) -> list[Run]:
-    """Seed by seed: the stages the chosen methods need (each once), then the methods' RL runs."""
+def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[str], profile: Profile,
+               rl_set: dict[str, Any] | None = None, stages_from: str | pathlib.Path | None = None) -> list[Run]:
+    """Seed by seed: the stages the chosen methods need that no earlier seed planned (the shared SFT comes with the
+    first seed), then the methods' RL runs. With `stages_from` (an earlier study's --out) the RL runs start from
+    that study's finished stages instead, and none are planned: a variant (`rl_set`, e.g. another learning rate)
+    then differs from it in the RL runs alone."""
     out = pathlib.Path(out).resolve()
+    stages_from = pathlib.Path(stages_from).resolve() if stages_from else None
     methods = list(dict.fromkeys(methods))
     unknown = [m for m in methods if m not in RECIPES]
     if unknown or not methods:
@@ -152,21 +178,34 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
     if not seeds or any(s < 0 for s in seeds):
         raise ValueError(f"seeds={list(seeds)} must be a non-empty list of integers >= 0")
     plan: list[Run] = []
+    planned: set[str] = set()  # stage workdirs
     for seed in seeds:
-        rl_runs = [rl_config(m, seed, out, profile) for m in methods]
+        rl_runs = [rl_config(m, seed, out, profile, rl_set, stages_from) for m in methods]
         stage_cfgs: dict[str, ml_collections.ConfigDict] = {}
         for c in rl_runs:
             for stage, workdir in stages.prerequisites(c):
-                if stage not in stage_cfgs:
+                if stages_from is not None:
+                    if not stages.stage_done(workdir):
+                        raise ValueError(f"--stages-from={stages_from}: no finished {stage} in {workdir}; run that "
+                                         "study first")
+                elif stage not in stage_cfgs and workdir not in planned:
                     group = "sft" if stage == "sft" else "value"
                     stage_cfgs[stage] = config_lib.validate(
                         _apply(stages.derived_config(c, stage, workdir), profile.fields.get(group, {})))
         for stage in STAGE_ORDER:
             if stage in stage_cfgs:
                 sc = stage_cfgs[stage]
+                planned.add(sc.workdir)
                 plan.append(Run(stage, seed, sc, tuple(w for _, w in stages.prerequisites(sc))))
         plan += [Run(m, seed, c, tuple(w for _, w in stages.prerequisites(c))) for m, c in zip(methods, rl_runs)]
     return plan
+
+
+def check_meshes(plan: Sequence[Run]) -> None:
+    """Every run's batches divide its mesh (ValueError naming the field otherwise): checked for the whole study up
+    front, so a bad size fails before the first run starts rather than hours into the study."""
+    for run in plan:
+        runtime.make_runtime(run.config)
 
 
 def _num_evals(steps: int, every: int, at_start: bool) -> int:
@@ -234,8 +273,21 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="figures/tables dir (default experiments/results; --quick/--tiny: <out>/results)")
     p.add_argument("--compile-cache", default=None,
                    help="persistent JAX compilation cache dir (default <out>/jax_cache; '' disables)")
+    p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override an RL config field in every RL run, e.g. --set actor_optim.lr=1e-4 (repeatable)")
+    p.add_argument("--stages-from", default=None, metavar="DIR",
+                   help="start the RL runs from the finished SFT / critic stages of the study in DIR (its --out)")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the runtime estimate, run nothing")
     args = p.parse_args(argv)
+    args.rl_set = {}
+    for item in args.set:
+        field, sep, text = item.partition("=")
+        if not sep or not field:
+            p.error(f"--set {item!r}: expected FIELD=VALUE")
+        try:
+            args.rl_set[field] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            args.rl_set[field] = text  # a bare string, e.g. --set loss_agg=seq-mean-token-mean
     if args.quick and args.tiny:
         p.error("--quick and --tiny are exclusive")
     if args.seeds is not None and args.seeds < 1:
@@ -251,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)
     seeds = list(range(args.seeds if args.seeds is not None else profile.seeds))
     try:
-        plan = build_plan(out, seeds, methods, profile)
+        plan = build_plan(out, seeds, methods, profile, args.rl_set, args.stages_from)
+        check_meshes(plan)
     except ValueError as e:
         sys.exit(f"error: {e}")
     results = pathlib.Path(args.results) if args.results else (RESULTS_DIR if name == "full" else out / "results")
@@ -274,7 +327,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rl0 = next(r.config for r in plan if r.config.stage == "rl")
     (out / "study.json").write_text(json.dumps({
-        "profile": name, "max_response_len": rl0.task.max_response_len, "diag_buckets": rl0.diag_buckets}) + "\n")
+        "profile": name, "max_response_len": rl0.task.max_response_len, "diag_buckets": rl0.diag_buckets,
+        "set": args.rl_set, "stages_from": str(pathlib.Path(args.stages_from).resolve()) if args.stages_from else None
+    }) + "\n")
 
     t0 = time.perf_counter()
     bad, stopped = run_plan(plan, profile.step_scale)

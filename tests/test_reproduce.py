@@ -17,7 +17,7 @@ import reproduce  # noqa: E402
 from vcppo_jax.metrics import MetricWriter  # noqa: E402
 
 SEEDS = (0, 1, 2)
-STEPS, EVAL_EVERY, BUCKETS = 6, 3, 4
+STEPS, EVAL_EVERY, BUCKETS = 12, 4, 4  # STEPS > plot_results.LAST_STEPS
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -27,7 +27,7 @@ def write_tree(out: pathlib.Path, rng: np.random.Generator) -> dict:
     truth: dict = {}
     for method in plot_results.METHODS:
         for seed in SEEDS:
-            evals, step1 = {}, {}
+            evals, step1, train = {}, {}, {}
             with MetricWriter(out / f"seed{seed}" / method, tensorboard=False) as w:
                 def evaluate(step):
                     evals[step] = (float(rng.uniform()), float(rng.uniform(10, 100)))
@@ -35,16 +35,21 @@ def write_tree(out: pathlib.Path, rng: np.random.Generator) -> dict:
 
                 evaluate(0)
                 for step in range(1, STEPS + 1):
-                    m = {"rollout/response_length_mean": float(rng.uniform(10, 100))}
+                    m = {"rollout/response_length_mean": float(rng.uniform(10, 100)),
+                         "rollout/accuracy": float(rng.uniform()), "diag/adv_early_bias": float(rng.normal()),
+                         "rollout/reward_mean": float(rng.uniform(-1, 1)), "policy/approx_kl": float(rng.uniform()),
+                         "policy/clipfrac": float(rng.uniform())}
                     m.update({f"diag/adv_pos{i:02d}": float(rng.normal()) for i in range(BUCKETS)})
                     if method != "grpo":
                         m.update({f"diag/value_pos{i:02d}": float(rng.normal()) for i in range(BUCKETS)})
+                        m["value/explained_var_old"] = float(rng.uniform(-1, 1))
                     if step == 1:
                         step1 = m
+                    train[step] = m
                     w.write(step, m)
                     if step % EVAL_EVERY == 0:
                         evaluate(step)
-            truth.setdefault(method, {})[seed] = {"eval": evals, "step1": step1}
+            truth.setdefault(method, {})[seed] = {"eval": evals, "step1": step1, "train": train}
     for seed in SEEDS:
         with MetricWriter(out / f"seed{seed}" / "value_pretrain", tensorboard=False) as w:
             for step in range(1, 5):
@@ -65,7 +70,7 @@ def report(tmp_path_factory):
 def test_report_writes_every_figure_and_table(report):
     _, results, paths = report
     names = {"fig1_length_accuracy.png", "fig4_lambda_actor_sweep.png", "fig2_value_advantage_by_position.png",
-             "fig6_value_pretraining.png", "results.md", "results.json"}
+             "fig2b_critic_diagnostics.png", "fig6_value_pretraining.png", "results.md", "results.json"}
     assert {p.name for p in paths} == names
     for name in names:
         assert (results / name).stat().st_size > 0
@@ -92,6 +97,20 @@ def test_table_is_final_eval_mean_and_sample_std_over_seeds(report):
         np.testing.assert_allclose(row["eval/pass@1_step0"]["mean"], sum(start) / len(start), rtol=1e-12)
         p = row["eval/pass@1"]
         assert f"{100 * p['mean']:.1f} ± {100 * p['std']:.1f}" in md
+        # Sampled accuracy: mean over the last LAST_STEPS train steps of each seed, then over seeds.
+        n = plot_results.LAST_STEPS
+        for key in ("rollout/accuracy", "rollout/response_length_mean"):
+            for part, steps in (("first", range(1, n + 1)), ("last", range(STEPS - n + 1, STEPS + 1))):
+                want = [np.mean([seeds[s]["train"][t][key] for t in steps]) for s in SEEDS]
+                np.testing.assert_allclose(row[f"{key}_{part}{n}"]["per_seed"], want, rtol=1e-12)
+        want = [np.mean([seeds[s]["train"][t]["policy/approx_kl"] for t in range(1, STEPS + 1)]) for s in SEEDS]
+        np.testing.assert_allclose(row["policy/approx_kl_mean"]["per_seed"], want, rtol=1e-12)
+        if method in plot_results.CRITIC_METHODS:
+            for key in plot_results.STEP1_KEYS:
+                want = [seeds[s]["step1"][key] for s in SEEDS]
+                np.testing.assert_allclose(row[f"step1/{key}"]["per_seed"], want, rtol=1e-12)
+        else:
+            assert not any(k.startswith("step1/") for k in row)
     for method, cells in plot_results.PAPER.items():
         for t, v in cells.items():
             assert f"{t} {v:.1f}" in md
@@ -114,12 +133,12 @@ def test_position_profile_uses_the_first_rl_step(report):
 def test_seed_band_keeps_train_points_and_aligns_steps(report):
     tree = plot_results.load_tree(report[1].parent)
     steps, mean, std = plot_results.seed_band(tree["vcppo"], "eval/pass@1")
-    assert list(steps) == [0, 3, 6]
-    want = [np.mean([report[0]["vcppo"][s]["eval"][t][0] for s in SEEDS]) for t in (0, 3, 6)]
+    assert list(steps) == [0, 4, 8, 12]
+    want = [np.mean([report[0]["vcppo"][s]["eval"][t][0] for s in SEEDS]) for t in (0, 4, 8, 12)]
     np.testing.assert_allclose(mean, want, rtol=1e-12)
     steps, _, _ = plot_results.seed_band(tree["vcppo"], "rollout/response_length_mean")
     # read_metrics keeps one record per step (the last written); at eval steps that is the eval record.
-    assert set(steps) <= set(range(1, STEPS + 1)) and {1, 2, 4, 5} <= set(steps)
+    assert set(steps) <= set(range(1, STEPS + 1)) and {1, 2, 3, 5} <= set(steps)
 
 
 def test_empty_tree_still_writes_the_table(tmp_path):
@@ -132,13 +151,17 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
     plan = reproduce.build_plan(tmp_path, [0, 1], list(reproduce.RECIPES), reproduce.PROFILES["full"])
     assert set(reproduce.RECIPES) == set(plot_results.METHODS)
     per_seed = [[r for r in plan if r.seed == s] for s in (0, 1)]
+    sft_dir = str(tmp_path.resolve() / "sft")
+    # One SFT for the whole study, planned with the first seed; each seed has its own critic stages.
+    assert [r.name for r in per_seed[0]] == ["sft", "value_pretrain", "reward_model", *reproduce.RECIPES]
+    assert [r.name for r in per_seed[1]] == ["value_pretrain", "reward_model", *reproduce.RECIPES]
+    assert [r.workdir for r in plan if r.name == "sft"] == [sft_dir]
     for seed, runs in zip((0, 1), per_seed):
-        names = [r.name for r in runs]
-        assert names == ["sft", "value_pretrain", "reward_model", *reproduce.RECIPES]  # stages first, each once
         by = {r.name: r.config for r in runs}
-        sft_dir = str(tmp_path.resolve() / f"seed{seed}" / "sft")
-        assert {c.sft_dir for n, c in by.items() if n != "sft"} == {sft_dir} and by["sft"].workdir == sft_dir
+        assert {c.sft_dir for n, c in by.items() if n != "sft"} == {sft_dir}
         assert all(c.seed == seed for c in by.values())
+        assert {by["value_pretrain"].workdir, by["reward_model"].workdir} == {
+            str(tmp_path.resolve() / f"seed{seed}" / s) for s in ("value_pretrain", "reward_model")}
         assert len({c.task.data_dir for c in by.values()}) == 1
         lam = {n: (by[n].lambda_actor, by[n].lambda_critic, by[n].critic_init) for n in reproduce.RECIPES}
         assert lam["ppo"] == (0.95, 0.95, "reward_model") and by["ppo"].critic_dir == by["reward_model"].workdir
@@ -147,6 +170,10 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
         assert lam["vcppo_no_dgae"] == (0.95, 0.95, "value_pretrain")
         assert by["grpo"].algorithm == "grpo" and by["grpo"].critic_init == "none"
         assert [lam[f"vcppo_la{x}"][:2] for x in ("0.9", "0.99", "1.0")] == [(0.9, 1.0), (0.99, 1.0), (1.0, 1.0)]
+        assert {by[m].num_steps for m in reproduce.RECIPES} == {60}  # the full profile's RL length
+    # Every run's dependencies are planned before it.
+    position = {r.workdir: i for i, r in enumerate(plan)}
+    assert all(position[w] < position[r.workdir] for r in plan for w in r.needs)
     full = reproduce.build_plan(tmp_path, [0, 1, 2], list(reproduce.RECIPES), reproduce.PROFILES["full"])
     assert sum(reproduce.estimate_seconds(r) for r in full) < 2 * 3600
     quick = reproduce.PROFILES["quick"]
@@ -181,3 +208,67 @@ def test_run_plan_skips_done_runs_and_dependents_of_failures_and_stops_when_pree
     monkeypatch.setattr(reproduce.stages, "run_stage", lambda config: calls.append(config.workdir))  # preempted
     bad, stopped = reproduce.run_plan(plan)
     assert calls == [by["value_pretrain"]] and stopped and bad == []
+
+
+def test_tiny_study_runs_end_to_end_and_resumes_as_done(tmp_path, capsys):
+    """The real loops at seconds-size: the report finds every key it reads in what they write."""
+    out, results = tmp_path / "study", tmp_path / "results"
+    argv = ["--tiny", "--only", "ppo,vcppo", "--out", str(out), "--results", str(results), "--compile-cache", ""]
+    assert reproduce.main(argv) == 0
+    table = json.loads((results / "results.json").read_text())["ours"]
+    assert set(table) == {"ppo", "vcppo"}
+    for method, row in table.items():
+        assert row["seeds"] == [0] and row["eval/pass@1"]["steps"] == [2]
+        assert 0.0 <= row["rollout/accuracy_last10"]["mean"] <= 1.0 and row["policy/approx_kl_mean"]["n"] == 1
+        assert {f"step1/{k}" for k in plot_results.STEP1_KEYS} <= set(row)
+    for name in ("fig1_length_accuracy.png", "fig2_value_advantage_by_position.png", "fig2b_critic_diagnostics.png",
+                 "fig6_value_pretraining.png"):
+        assert (results / name).read_bytes()[:8] == PNG_MAGIC
+    capsys.readouterr()
+    assert reproduce.main(argv) == 0  # everything finished: skipped, report rewritten
+    assert capsys.readouterr().out.count("done, skipping") == 5  # sft, value_pretrain, reward_model, ppo, vcppo
+
+
+def test_mesh_mismatch_fails_before_any_run(tmp_path, monkeypatch):
+    tiny = reproduce.PROFILES["tiny"]
+    rl = dict(tiny.fields["rl"], prompts_per_step=3)  # 3 x 2 samples: not a multiple of the 8 test devices
+    bad = reproduce.dataclasses.replace(tiny, fields=dict(tiny.fields, rl=rl))
+    monkeypatch.setitem(reproduce.PROFILES, "tiny", bad)
+    calls = []
+    monkeypatch.setattr(reproduce.stages, "run_stage", calls.append)
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit, match=r"prompts_per_step\*group_size=6 is not divisible"):
+        reproduce.main(["--tiny", "--out", str(out), "--compile-cache", ""])
+    assert calls == [] and not out.exists()
+
+
+def test_variant_reuses_finished_stages_and_overrides_rl_fields(tmp_path, monkeypatch):
+    base, out = tmp_path / "base", tmp_path / "variant"
+    done = {str(base.resolve() / "sft")} | {str(base.resolve() / f"seed{s}" / st)
+                                             for s in (0, 1) for st in ("value_pretrain", "reward_model")}
+    monkeypatch.setattr(reproduce.stages, "stage_done", lambda workdir: workdir in done)
+    args = reproduce.parse_args(["--set", "actor_optim.lr=1e-4", "--set", "loss_agg=seq-mean-token-mean",
+                                 "--stages-from", str(base)])
+    assert args.rl_set == {"actor_optim.lr": 1e-4, "loss_agg": "seq-mean-token-mean"}
+    plan = reproduce.build_plan(out, [0, 1], ["ppo", "vcppo", "grpo"], reproduce.PROFILES["full"], args.rl_set,
+                                args.stages_from)
+    assert [(r.seed, r.name) for r in plan] == [(s, m) for s in (0, 1) for m in ("ppo", "vcppo", "grpo")]
+    for r in plan:
+        c = r.config
+        assert c.actor_optim.lr == 1e-4 and c.loss_agg == "seq-mean-token-mean"
+        assert c.workdir == str(out.resolve() / f"seed{r.seed}" / r.name)
+        assert c.sft_dir == str(base.resolve() / "sft") and c.task.data_dir == str(base.resolve() / "tfds")
+        assert set(r.needs) <= done and len(r.needs) == (1 if r.name == "grpo" else 2)
+    with pytest.raises(ValueError, match="no finished reward_model"):
+        reproduce.build_plan(out, [2], ["ppo"], reproduce.PROFILES["full"], stages_from=base)
+    with pytest.raises(ValueError, match="'actor_optim.lrr' does not exist"):
+        reproduce.build_plan(out, [0], ["ppo"], reproduce.PROFILES["full"], {"actor_optim.lrr": 1e-4}, base)
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(["--set", "no_equals_sign"])
+
+
+def test_trailing_mean_matches_a_loop():
+    x = np.random.default_rng(1).normal(size=23)
+    for window in (1, 3, 5, 30):
+        want = [x[max(0, t - window + 1):t + 1].mean() for t in range(x.size)]
+        np.testing.assert_allclose(plot_results.trailing_mean(x, window), want, rtol=1e-12)
