@@ -14,7 +14,9 @@ generation + update add, incl. XLA compile / torch autograd buffers).
 Run (from the repo root):
   .venv/bin/python experiments/bench_rl_step.py --quick          # d=64 x 2 layers, 2 prompts x 4, P=16, R=32
   .venv/bin/python experiments/bench_rl_step.py                  # d=128 x 2 layers, 4 x 4, P=32, R=128;
-                                                                 # cost vs length at R = 256, 1024, 4096
+                                                                 # cost vs length at R = 256, 1024
+  .venv/bin/python experiments/bench_rl_step.py --no-peers --remat --lengths=1024,4096 --iters=1
+                                                                 # long responses, layer remat in the update
   .venv/bin/python experiments/bench_rl_step.py --lengths=64,256  # override the length sweep (ours, VC-PPO)
 
 TRL is optional (not in requirements.txt); without it the TRL row says so and our rows still print.
@@ -39,8 +41,10 @@ PAD_ID = 0
 PRESETS = {
     "quick": dict(prompts=2, group=4, prompt_len=16, response_len=32, hidden=64, layers=2, vocab=512, iters=3,
                   lengths="32,64,128"),
+    # 4096 is left out of the default sweep: without --remat its update materializes [8, 4, 4128, 4128] attention
+    # scores per layer and went past 17 GiB on a 24 GiB machine (see the README for the --remat run).
     "default": dict(prompts=4, group=4, prompt_len=32, response_len=128, hidden=128, layers=2, vocab=2048, iters=3,
-                    lengths="256,1024,4096"),
+                    lengths="256,1024"),
 }
 NUM_MINIBATCHES = 2
 LR, GRAD_CLIP = 1e-6, 1.0
@@ -110,7 +114,7 @@ def run_ours(o: dict) -> dict:
     from vcppo_jax.sampling import make_sampler  # noqa: PLC0415
 
     algo, b, p, r = o["algo"], o["prompts"] * o["group"], o["prompt_len"], o["response_len"]
-    cfg, variables = load_hf_checkpoint(o["folder"])
+    cfg, variables = load_hf_checkpoint(o["folder"], remat=bool(o.get("remat")))
     actor = CausalLM(cfg)
     has_critic = algo != "grpo"
     critic = ValueModel(cfg) if has_critic else None
@@ -199,7 +203,8 @@ def run_trl(o: dict) -> dict:
             steps_per_generation=NUM_MINIBATCHES, num_generations=o["group"], max_completion_length=r,
             generation_kwargs={"min_new_tokens": r}, temperature=1.0, top_p=1.0, top_k=0, beta=0.0,
             num_iterations=1, learning_rate=LR, max_grad_norm=GRAD_CLIP, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, max_steps=steps, log_completions=False, shuffle_dataset=False)
+            warmup_steps=0, weight_decay=0.0, max_steps=steps, log_completions=False, shuffle_dataset=False,
+            gradient_checkpointing=bool(o.get("remat")))
         clock = Clock()
         trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=dataset,
                                   processing_class=tok, callbacks=[clock])
@@ -243,6 +248,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for torch and XLA (0 = defaults)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement subprocess")
     parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
+    parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (ours: "
+                        "ModelConfig.remat; TRL: gradient_checkpointing) to cut the update's activation memory")
+    parser.add_argument("--no-peers", action="store_true", help="skip the GRPO / VC-PPO / TRL comparison, run "
+                        "only the length sweep")
     parser.add_argument("--child", type=str, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -269,35 +278,37 @@ def main() -> None:
     b = opts["prompts"] * opts["group"]
     with tempfile.TemporaryDirectory() as folder:
         build_checkpoint(folder, opts["hidden"], opts["layers"], opts["vocab"], max_len)
-        base = dict(sizes, folder=folder, threads=args.threads)
-        results = {a: spawn(dict(base, algo=a), args.timeout) for a in ("grpo", "vcppo", "trl")}
+        base = dict(sizes, folder=folder, threads=args.threads, remat=args.remat)
+        results = {} if args.no_peers else {a: spawn(dict(base, algo=a), args.timeout) for a in ("grpo", "vcppo", "trl")}
         sweep = {n: spawn(dict(base, algo="vcppo", response_len=n), args.timeout) for n in lengths}
 
-    print(f"torch {torch.__version__} | transformers {tr.__version__} | trl "
-          f"{results['trl'].get('version', 'not available')} | threads={args.threads} | Qwen2 d={opts['hidden']} "
-          f"L={opts['layers']} vocab={opts['vocab']} ({results['grpo'].get('params_m', float('nan')):.2f}M params) | "
+    trl_version = results.get("trl", {}).get("version", "not run" if args.no_peers else "not available")
+    print(f"torch {torch.__version__} | transformers {tr.__version__} | trl {trl_version} | threads={args.threads} | "
+          f"remat={args.remat} | Qwen2 d={opts['hidden']} L={opts['layers']} vocab={opts['vocab']} | "
           f"{opts['prompts']} prompts x {opts['group']} samples = {b} rollouts, prompt {opts['prompt_len']} + "
           f"response {opts['response_len']} tokens, {NUM_MINIBATCHES} optimizer steps/iteration, median of "
           f"{opts['iters']} iterations after a warmup")
-    header = (f"| {'implementation':<22} | {'first iter s':>12} | {'gen s':>7} | {'update s':>8} | {'iter s':>8} "
-              f"| {'tokens/s':>9} | {'vs TRL':>7} | {'peak MiB':>8} | {'growth MiB':>10} |")
-    sep = "|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|"
-    print(header + "\n" + sep)
-    trl_t = results["trl"].get("total")
-    names = {"grpo": "vcppo_jax GRPO", "vcppo": "vcppo_jax VC-PPO", "trl": "TRL GRPOTrainer"}
-    for a, res in results.items():
-        if "error" in res:
-            print(f"| {names[a]:<22} | {res['error']}")
-            continue
-        f = lambda k, w, d=3: f"{res[k]:>{w}.{d}f}" if k in res else f"{'-':>{w}}"  # noqa: E731
-        ratio = f"{trl_t / res['total']:>6.2f}x" if trl_t else f"{'-':>7}"
-        print(f"| {names[a]:<22} | {f('first', 12, 2)} | {f('gen', 7)} | {f('update', 8)} | {f('total', 8)} "
-              f"| {b * opts['response_len'] / res['total']:>9.0f} | {ratio} | {res['peak']:>8.0f} "
-              f"| {res['peak'] - res['base_rss']:>10.0f} |")
-    notes = ["'vs TRL' = TRL iteration time / ours (>1: ours faster); first iter includes our jit compile; "
-             "tokens/s = generated tokens / iteration time"]
-    if "error" in results["trl"]:
-        notes.append("TRL row missing: " + results["trl"]["error"])
+    notes = ["first iter includes our jit compile"]
+    if results:
+        header = (f"| {'implementation':<22} | {'first iter s':>12} | {'gen s':>7} | {'update s':>8} | {'iter s':>8} "
+                  f"| {'tokens/s':>9} | {'vs TRL':>7} | {'peak MiB':>8} | {'growth MiB':>10} |")
+        sep = "|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|"
+        print(header + "\n" + sep)
+        trl_t = results["trl"].get("total")
+        names = {"grpo": "vcppo_jax GRPO", "vcppo": "vcppo_jax VC-PPO", "trl": "TRL GRPOTrainer"}
+        for a, res in results.items():
+            if "error" in res:
+                print(f"| {names[a]:<22} | {res['error']}")
+                continue
+            f = lambda k, w, d=3: f"{res[k]:>{w}.{d}f}" if k in res else f"{'-':>{w}}"  # noqa: E731
+            ratio = f"{trl_t / res['total']:>6.2f}x" if trl_t else f"{'-':>7}"
+            print(f"| {names[a]:<22} | {f('first', 12, 2)} | {f('gen', 7)} | {f('update', 8)} | {f('total', 8)} "
+                  f"| {b * opts['response_len'] / res['total']:>9.0f} | {ratio} | {res['peak']:>8.0f} "
+                  f"| {res['peak'] - res['base_rss']:>10.0f} |")
+        notes.append("'vs TRL' = TRL iteration time / ours (>1: ours faster); tokens/s = generated tokens / iteration "
+                     "time")
+        if "error" in results["trl"]:
+            notes.append("TRL row missing: " + results["trl"]["error"])
     if sweep:
         print(f"\nCost vs response length (vcppo_jax VC-PPO, {b} rollouts, prompt {opts['prompt_len']}):")
         header = (f"| {'response len':>12} | {'first iter s':>12} | {'gen s':>8} | {'update s':>8} | {'iter s':>8} "

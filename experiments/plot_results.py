@@ -29,6 +29,7 @@ import math
 import pathlib
 import re
 import sys
+import warnings
 from typing import Any, Sequence
 
 import matplotlib
@@ -149,20 +150,33 @@ def at_first_rl_step(records: Records, key: str) -> float | None:
     return None if first is None else float(first[key])
 
 
+def _bucket_empty(record: dict[str, Any], i: int) -> bool:
+    """Whether position bucket i held no response token. Runs that log `diag/tokens_posNN` say so; older runs
+    only log means, where an empty bucket reads as exactly 0 advantage (a non-empty one essentially never does)."""
+    count = record.get(f"diag/tokens_pos{i:02d}")
+    return count == 0 if count is not None else record.get(f"diag/adv_pos{i:02d}") == 0.0
+
+
 def position_profile(runs: dict[int, Records], prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """Mean and std over seeds of `<prefix>NN` (NN = bucket) at each seed's first RL step (the first record with
-    `<prefix>00` at step >= 1, i.e. computed by the initial critic). Returns (mean [buckets], std [buckets])."""
+    `<prefix>00` at step >= 1, i.e. computed by the initial critic), over the seeds whose responses reach bucket NN
+    (NaN where none does). Returns (mean [buckets], std [buckets])."""
     profiles = []
     for records in runs.values():
         first = next((r for r in records if r["step"] >= 1 and r.get(f"{prefix}00") is not None), None)
         if first is None:
             continue
         n = len([k for k in first if re.fullmatch(re.escape(prefix) + r"\d+", k)])
-        profiles.append([first[f"{prefix}{i:02d}"] for i in range(n)])
+        profiles.append([np.nan if _bucket_empty(first, i) else first[f"{prefix}{i:02d}"] for i in range(n)])
     if not profiles or len({len(p) for p in profiles}) != 1:
         return np.zeros(0), np.zeros(0)
     arr = np.array(profiles, np.float64)
-    return arr.mean(0), (arr.std(0, ddof=1) if len(arr) > 1 else np.zeros(arr.shape[1]))
+    seen = np.isfinite(arr).sum(0)
+    with warnings.catch_warnings():  # all-NaN buckets (past every response) stay NaN: matplotlib leaves a gap.
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mean = np.nanmean(arr, 0)
+        std = np.where(seen > 1, np.nanstd(arr, 0, ddof=1), 0.0)
+    return mean, std
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
@@ -399,11 +413,13 @@ def make_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path,
         response_len = json.loads((out_dir / "study.json").read_text()).get("max_response_len")
     tree = load_tree(out_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
+    sweep = {m: f"lambda_actor {lam}" for m, lam in SWEEP.items() if tree.get(m)}
     written = [
         plot_curves(tree, {m: METHODS[m] for m in FIG1_METHODS}, results_dir / "fig1_length_accuracy.png",
                     "Response length and accuracy during RL (paper Fig. 1)"),
-        plot_curves(tree, {m: f"lambda_actor {lam}" for m, lam in SWEEP.items()},
-                    results_dir / "fig4_lambda_actor_sweep.png", "VC-PPO lambda_actor sweep (paper Table 4)"),
+        # A sweep needs two points; a study of other methods (e.g. --only ppo,vcppo) only has vcppo's 0.95.
+        plot_curves(tree, sweep, results_dir / "fig4_lambda_actor_sweep.png",
+                    "VC-PPO lambda_actor sweep (paper Table 4)") if len(sweep) > 1 else None,
         plot_position(tree, results_dir / "fig2_value_advantage_by_position.png", response_len),
         plot_critic_diagnostics(tree, results_dir / "fig2b_critic_diagnostics.png"),
         plot_value_pretraining(tree, results_dir / "fig6_value_pretraining.png"),

@@ -130,6 +130,28 @@ def test_position_profile_uses_the_first_rl_step(report):
             np.testing.assert_allclose(std, rows.std(0, ddof=1), rtol=1e-12)
 
 
+def test_position_profile_skips_empty_buckets():
+    """Buckets no response reached are left out of the seed mean (NaN where no seed reached them), from the
+    logged token counts, or, for runs that predate them, from the exact-0 mean advantage of an empty bucket."""
+    def record(values, advs, tokens=None):
+        r = {"step": 1, **{f"diag/value_pos{i:02d}": v for i, v in enumerate(values)},
+             **{f"diag/adv_pos{i:02d}": a for i, a in enumerate(advs)}}
+        if tokens is not None:
+            r.update({f"diag/tokens_pos{i:02d}": t for i, t in enumerate(tokens)})
+        return [{"step": 0, "eval/pass@1": 0.5}, r]
+
+    runs = {0: record([1.0, 2.0, 0.0, 0.0], [0.1, 0.2, 0.0, 0.0], tokens=[5, 3, 0, 0]),
+            1: record([3.0, 4.0, 6.0, 0.0], [0.3, 0.4, 0.5, 0.0], tokens=[5, 4, 1, 0]),
+            2: record([5.0, 0.0, 8.0, 0.0], [0.5, 0.7, 0.6, 0.0])}  # no counts: bucket 3 is empty (adv == 0)
+    mean, std = plot_results.position_profile(runs, "diag/value_pos")
+    np.testing.assert_allclose(mean[:3], [3.0, 2.0, 7.0])
+    np.testing.assert_allclose(std[:3], [2.0, 2.0, np.std([6.0, 8.0], ddof=1)])
+    assert np.isnan(mean[3]) and std[3] == 0.0
+    mean, _ = plot_results.position_profile(runs, "diag/adv_pos")
+    np.testing.assert_allclose(mean[:3], [0.3, 0.7 / 3 + 0.4 / 3 + 0.2 / 3, 0.55])
+    assert np.isnan(mean[3])
+
+
 def test_seed_band_keeps_train_points_and_aligns_steps(report):
     tree = plot_results.load_tree(report[1].parent)
     steps, mean, std = plot_results.seed_band(tree["vcppo"], "eval/pass@1")
@@ -224,6 +246,7 @@ def test_tiny_study_runs_end_to_end_and_resumes_as_done(tmp_path, capsys):
     for name in ("fig1_length_accuracy.png", "fig2_value_advantage_by_position.png", "fig2b_critic_diagnostics.png",
                  "fig6_value_pretraining.png"):
         assert (results / name).read_bytes()[:8] == PNG_MAGIC
+    assert not (results / "fig4_lambda_actor_sweep.png").exists()  # one lambda_actor point is not a sweep
     capsys.readouterr()
     assert reproduce.main(argv) == 0  # everything finished: skipped, report rewritten
     assert capsys.readouterr().out.count("done, skipping") == 5  # sft, value_pretrain, reward_model, ppo, vcppo

@@ -177,9 +177,11 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
 def _position_diagnostics(values, advantages, mask, hp: RLHparams) -> dict:
     """VC-PPO diagnostics (paper Fig. 2): mean value / advantage by token-position bucket, early-token bias."""
     out = {}
-    adv_b = metrics_lib.position_bucket_means(advantages, mask, hp.diag_buckets)[0]
+    adv_b, counts = metrics_lib.position_bucket_means(advantages, mask, hp.diag_buckets)
     for i in range(hp.diag_buckets):
         out[f"diag/adv_pos{i:02d}"] = adv_b[i]
+        # Token count per bucket: an empty bucket's mean is 0 by convention, so plots must tell empty from zero.
+        out[f"diag/tokens_pos{i:02d}"] = counts[i]
     if values is not None:
         val_b = metrics_lib.position_bucket_means(values, mask, hp.diag_buckets)[0]
         for i in range(hp.diag_buckets):
