@@ -24,6 +24,7 @@ Std is the sample std over seeds (ddof=1); with a single seed it is reported as 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import pathlib
@@ -144,9 +145,15 @@ def steps_mean(records: Records, key: str, n: int | None = None, *, last: bool =
     return float(values.mean()) if values.size else None
 
 
+def _first_rl_record(records: Records, key: str) -> dict[str, Any] | None:
+    """The first record at an RL step (>= 1) that logged `key`: step 1's, computed by the initial critic on the
+    first rollout, unless that step's record was replaced (read_metrics keeps one record per step)."""
+    return next((r for r in records if r["step"] >= 1 and r.get(key) is not None), None)
+
+
 def at_first_rl_step(records: Records, key: str) -> float | None:
     """`key` at the first RL step (step 1: computed by the initial critic on the first rollout)."""
-    first = next((r for r in records if r["step"] >= 1 and r.get(key) is not None), None)
+    first = _first_rl_record(records, key)
     return None if first is None else float(first[key])
 
 
@@ -163,7 +170,7 @@ def position_profile(runs: dict[int, Records], prefix: str) -> tuple[np.ndarray,
     (NaN where none does). Returns (mean [buckets], std [buckets])."""
     profiles = []
     for records in runs.values():
-        first = next((r for r in records if r["step"] >= 1 and r.get(f"{prefix}00") is not None), None)
+        first = _first_rl_record(records, f"{prefix}00")
         if first is None:
             continue
         n = len([k for k in first if re.fullmatch(re.escape(prefix) + r"\d+", k)])
@@ -207,15 +214,13 @@ def results_table(tree: Tree) -> dict[str, Any]:
         starts = [f for f in (first_value(r, "eval/pass@1") for r in runs.values()) if f is not None and f[0] == 0]
         if starts:
             row["eval/pass@1_step0"] = _stats([f[1] for f in starts])
-        cells = {}
-        for key in ("rollout/accuracy", "rollout/response_length_mean"):
-            for part, last in (("first", False), ("last", True)):
-                cells[f"{key}_{part}{LAST_STEPS}"] = lambda r, key=key, last=last: steps_mean(r, key, LAST_STEPS,
-                                                                                                 last=last)
-        for key in ("policy/approx_kl", "policy/clipfrac"):
-            cells[f"{key}_mean"] = lambda r, key=key: steps_mean(r, key)
+        cells = {f"{key}_{part}{LAST_STEPS}": functools.partial(steps_mean, key=key, n=LAST_STEPS, last=last)
+                 for key in ("rollout/accuracy", "rollout/response_length_mean")
+                 for part, last in (("first", False), ("last", True))}
+        cells.update({f"{key}_mean": functools.partial(steps_mean, key=key)
+                      for key in ("policy/approx_kl", "policy/clipfrac")})
         if method in CRITIC_METHODS:
-            cells.update({f"step1/{k}": (lambda r, k=k: at_first_rl_step(r, k)) for k in STEP1_KEYS})
+            cells.update({f"step1/{key}": functools.partial(at_first_rl_step, key=key) for key in STEP1_KEYS})
         for name, fn in cells.items():
             stats = _over_seeds(runs, fn)
             if stats is not None:

@@ -79,9 +79,8 @@ def compiled(hp: rl.RLHparams):
 UPDATE_HP = dict(num_epochs=2)
 
 
-def make_state(nets, hp):
+def make_state(nets, hp, tx=TX):
     actor_p, critic_p = nets
-    tx = TX
     critic = init_model_state(critic_p, tx) if hp.has_critic else None
     return rl.RLState(actor=init_model_state(actor_p, tx), critic=critic, ref_params=None,
                       rng=jax.random.key(3), step=jnp.zeros((), jnp.int32)), tx
@@ -172,7 +171,7 @@ def test_nonfinite_update_is_skipped(nets):
 
 
 @pytest.mark.parametrize("algorithm", ["vcppo", "grpo"])
-def test_rl_loop_learns_a_bandit(algorithm):
+def test_rl_loop_learns_a_bandit(nets, algorithm):
     """End to end through the real sampler, `to_rollout`, experience and update: reward +1 when the first response
     token is one of 8 'good' ids (of 32), else -1. A correct policy-gradient sign and token alignment must drive the
     policy's probability of a good first token from ~0.2 to near 1; a flipped sign or an off-by-one drives it down
@@ -181,9 +180,7 @@ def test_rl_loop_learns_a_bandit(algorithm):
     hp = hparams(algorithm, num_epochs=1)
     tx = optax.adam(3e-3)
     critic = CRITIC if hp.has_critic else None
-    state = rl.RLState(actor=init_model_state(random_params(ACTOR, 0)["params"], tx),
-                       critic=init_model_state(random_params(CRITIC, 1)["params"], tx) if critic else None,
-                       ref_params=None, rng=jax.random.key(3), step=jnp.zeros((), jnp.int32))
+    state, _ = make_state(nets, hp, tx)
     make_exp = jax.jit(rl.make_experience_fn(hp, ACTOR, critic))
     update = jax.jit(rl.make_update_fn(hp, ACTOR, critic, tx, tx if critic else None))
     sampler = make_sampler(ACTOR, max_new_tokens=R, eos_id=None, pad_id=0)
