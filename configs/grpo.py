@@ -11,7 +11,7 @@ def get_config():
     c.critic_init = "none"
     c.critic_dir = ""
     c.group_size = 8
-    c.prompts_per_step = 4  # 4 prompts x 8 samples: the same 32 responses per step as PPO and VC-PPO
+    c.prompts_per_step = 8  # 8 prompts x 8 samples: the same 64 responses per step as PPO and VC-PPO
     c.kl_coef = 0.001
     c.kl_estimator = "k3"
     c.grpo_normalize_std = True

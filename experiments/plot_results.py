@@ -432,6 +432,129 @@ def make_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path,
     return [p for p in written if p is not None] + write_table(results_table(tree), results_dir)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Does RL learn? (`reproduce.py --learning`)
+# ----------------------------------------------------------------------------------------------------------------
+
+LEARNING_METHODS = {"vcppo": METHODS["vcppo"], "grpo": METHODS["grpo"],
+                    "grpo_shuffled": "control: GRPO on rewards shuffled across each batch",
+                    "vcppo_shuffled": "control: VC-PPO on shuffled rewards (critic pretrained on true ones)"}
+LEARNING_KEYS = {"pass@1": "eval/pass@1", "response_length": "eval/response_length_mean",
+                 "direct_fraction": "eval/direct_fraction", "sampled_pass@1": "probe/pass@1",
+                 "kl_to_sft": "probe/kl_to_sft"}
+
+
+def learning_table(tree: Tree) -> dict[str, Any]:
+    """Per method and seed: each `LEARNING_KEYS` metric at step 0 (the SFT policy) and at the last evaluation, and
+    the gain in greedy pass@1; per method, the gain's mean and std over seeds."""
+    methods = {}
+    for method, label in LEARNING_METHODS.items():
+        per_seed = {}
+        for seed, records in sorted(tree.get(method, {}).items()):
+            row: dict[str, Any] = {}
+            for name, key in LEARNING_KEYS.items():
+                first, last = first_value(records, key), final_value(records, key)
+                if first is not None and first[0] == 0:
+                    row[f"{name}_step0"] = first[1]
+                if last is not None:
+                    row[f"{name}_last"], row["last_step"] = last[1], last[0]
+            if "pass@1_step0" in row and "pass@1_last" in row:
+                row["pass@1_gain"] = row["pass@1_last"] - row["pass@1_step0"]
+            # The SFT run's best evaluated checkpoint (the RL start is its last one): RL must beat that too.
+            sft_steps, sft_values = series(tree.get("sft", {}).get(seed, []), "eval/pass@1")
+            if sft_values.size:
+                best = int(np.argmax(sft_values))
+                row["sft_best_pass@1"], row["sft_best_step"] = float(sft_values[best]), int(sft_steps[best])
+                if "pass@1_last" in row:
+                    row["pass@1_gain_over_best_sft"] = row["pass@1_last"] - row["sft_best_pass@1"]
+            per_seed[str(seed)] = row
+        stats = {k: _stats(v) if v else None for k in ("pass@1_gain", "pass@1_gain_over_best_sft")
+                 for v in [[r[k] for r in per_seed.values() if k in r]]}
+        methods[method] = {"label": label, "per_seed": per_seed, **stats}
+    return {"methods": methods,
+            "columns": "greedy pass@1 (fraction) and mean response length on the first eval_prompts test problems, "
+                       "direct-answer fraction, and on the same prompts sampled at the training temperature: "
+                       "pass@1 and the per-token KL(policy || SFT policy); at step 0 (the SFT policy) and at the "
+                       "last evaluation; and the best greedy pass@1 of any evaluated SFT checkpoint (its step)"}
+
+
+def learning_markdown(table: dict[str, Any]) -> str:
+    lines = ["# Does RL learn? Greedy pass@1 on the test split, step 0 -> last step", "", table["columns"] + ".", "",
+             "| method | seed | pass@1 step 0 (%) | pass@1 last (%) | gain (points) | best SFT checkpoint (%) "
+             "| gain over it (points) | length step 0 -> last | direct answers step 0 -> last (%) "
+             "| sampled pass@1 step 0 -> last (%) | KL to SFT, last |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    for method, entry in table["methods"].items():
+        for seed, r in entry["per_seed"].items():
+            best_sft = f"{pct(r.get('sft_best_pass@1'))} (step {r.get('sft_best_step', '-')})"
+            lines.append(f"| {entry['label']} | {seed} | {pct(r.get('pass@1_step0'))} | {pct(r.get('pass@1_last'))} "
+                         f"| {pct(r.get('pass@1_gain'))} | {best_sft} | {pct(r.get('pass@1_gain_over_best_sft'))} "
+                         f"| {r.get('response_length_step0', 0):.1f} -> {r.get('response_length_last', 0):.1f} "
+                         f"| {pct(r.get('direct_fraction_step0'))} -> {pct(r.get('direct_fraction_last'))} "
+                         f"| {pct(r.get('sampled_pass@1_step0'))} -> {pct(r.get('sampled_pass@1_last'))} "
+                         f"| {r.get('kl_to_sft_last', float('nan')):.3f} |")
+        lines.append(f"| **{entry['label']}** | mean | | | **{_fmt(entry['pass@1_gain'], 100)}** | "
+                     f"| **{_fmt(entry['pass@1_gain_over_best_sft'], 100)}** | | | | |")
+    return "\n".join(lines + [""])
+
+
+def plot_learning(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
+    """Greedy pass@1, sampled training accuracy, KL to the SFT policy and per-iteration policy movement vs step."""
+    present = {m: lab for m, lab in LEARNING_METHODS.items() if tree.get(m)}
+    if not present:
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    panels = [("eval/pass@1", 1, "greedy pass@1 (test split)", "(a) test accuracy, greedy"),
+              ("rollout/accuracy", SMOOTH, "accuracy of the training rollouts",
+               f"(b) sampled accuracy ({SMOOTH}-step trailing mean)"),
+              ("probe/kl_to_sft", 1, "KL(policy || SFT) per token", "(c) drift from the SFT policy (probe prompts)"),
+              ("policy/approx_kl", SMOOTH, "KL(before || after) per token",
+               f"(d) movement per iteration ({SMOOTH}-step trailing mean)")]
+    for ax, (key, smooth, ylabel, title) in zip(axes.flat, panels):
+        for i, (m, label) in enumerate(present.items()):
+            _band(ax, tree[m], key, label, f"C{i}", smooth=smooth)
+        ax.set(xlabel="RL step", ylabel=ylabel, title=title)
+    return _save(fig, list(axes.flat), path, "Does RL learn? mean ± std over seeds (tiny model, synthetic task)")
+
+
+def make_learning_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """learning.json, learning.md and fig_learning.png from a `reproduce.py --learning` tree."""
+    out_dir, results_dir = pathlib.Path(out_dir), pathlib.Path(results_dir)
+    tree = load_tree(out_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    table = learning_table(tree)
+    js, md = results_dir / "learning.json", results_dir / "learning.md"
+    js.write_text(json.dumps(table, indent=2) + "\n")
+    md.write_text(learning_markdown(table))
+    fig = plot_learning(tree, results_dir / "fig_learning.png")
+    return [p for p in (fig, js, md) if p is not None]
+
+
+def make_runs_report(runs: dict[str, str | pathlib.Path], results_dir: str | pathlib.Path, name: str,
+                     title: str, notes: dict[str, str] | None = None) -> list[pathlib.Path]:
+    """Single runs side by side ({label: workdir}): `<name>.json` (every evaluation of each run, and `notes`, e.g.
+    the command that made it) and `<name>.png` (greedy pass@1, sampled probe pass@1 and KL to the SFT policy vs
+    step)."""
+    results_dir = pathlib.Path(results_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    records = {label: read_metrics(workdir) for label, workdir in runs.items()}
+    evals = {label: [{k: v for k, v in r.items() if k == "step" or k.startswith(("eval/", "probe/"))}
+                     for r in recs if "eval/pass@1" in r] for label, recs in records.items()}
+    js = results_dir / f"{name}.json"
+    js.write_text(json.dumps({"evaluations": evals, "notes": notes or {}}, indent=2) + "\n")
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
+    keys = (("eval/pass@1", "greedy pass@1 (test split)"), ("probe/pass@1", "sampled pass@1 (same prompts)"),
+            ("probe/kl_to_sft", "KL(policy || SFT) per token"))
+    for i, (label, recs) in enumerate(records.items()):
+        for ax, (key, _) in zip(axes, keys):
+            steps, values = series(recs, key)
+            ax.plot(steps, values, marker=".", color=f"C{i % 10}", label=label)
+    for ax, (key, ylabel) in zip(axes, keys):
+        ax.set(xlabel="RL step", ylabel=ylabel, title=ylabel)
+    fig_path = _save(fig, list(axes), results_dir / f"{name}.png", title)
+    return [fig_path, js]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="runs/reproduce", help="the study's run directory")

@@ -1,7 +1,8 @@
 """The paper's comparisons on the synthetic long-CoT task, on CPU, over several seeds, in one resumable command.
 
-  python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (~1.6 h, 2 CPU cores)
-  python experiments/reproduce.py --quick               # ~10 min: 1 seed, 4 methods, a smaller model and task
+  python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (~2.4 h, 2 CPU cores)
+  python experiments/reproduce.py --quick               # ~11 min: 1 seed, 4 methods, a smaller model and task
+  python experiments/reproduce.py --learning            # does RL learn: VC-PPO, GRPO, shuffled-reward controls
   python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
   python experiments/reproduce.py --only ppo,vcppo --set actor_optim.lr=1e-4 --stages-from runs/reproduce \
       --out runs/reproduce_lr1e-4 --results experiments/results/lr1e-4   # a variant: other RL fields, same stages
@@ -17,14 +18,12 @@ A run whose checkpoint meta says `done` is skipped, an unfinished one resumes, s
 study. At the end `plot_results.make_report` writes the figures and tables to `experiments/results/` (for --quick:
 `<out>/results/`).
 
-Size and runtime (the study, 2 CPU cores): RL runs are 60 steps (the config files' 100 would take ~2.7 h here), with
-a greedy evaluation every 15. Per-step times measured on a 2-core machine during the study: SFT ~1.05 s, value
-pretraining ~1.5 s (the reward model shares that loop), RL ~2.4 s; ~40 s of compile and setup per run and ~3 s per
-64-prompt greedy evaluation. SFT once: 400 x 1.05 s + 4 evals + setup = 472 s; per seed, value pretraining and
-reward model at most 80 x 1.5 s + setup = 160 s each and 8 RL runs x (60 x 2.4 s + 5 evals + setup) = 1592 s; total
-~1.6 h for 3 seeds (an upper bound: the critic stages usually converge before their cap, and the persistent
-compilation cache (`<out>/jax_cache`) serves repeated programs). `estimate_seconds` computes this from the plan and
-the command prints it, counting only unfinished runs.
+Size and runtime (the study, 2 CPU cores): RL runs are 60 steps of 64 responses, with a greedy evaluation every 15.
+Per-step times (2-core machine, other jobs running): SFT ~0.9-1.05 s, value pretraining ~1.4-1.5 s (the reward model
+shares that loop), RL 3.6 (GRPO) to 4.7 s (VC-PPO); ~40 s of compile and setup per run and ~3 s per 64-prompt
+evaluation. `estimate_seconds` computes an upper bound from these (RL at 4.0 s, critic stages at their step cap) and
+the command prints it, counting only unfinished runs: ~2.4 h for the full study, ~1.6 h for --learning (3 SFTs);
+the persistent compilation cache (`<out>/jax_cache`) serves repeated programs.
 """
 
 from __future__ import annotations
@@ -61,6 +60,10 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "vcppo_la0.9": ("vcppo", {"lambda_actor": 0.9}),
     "vcppo_la0.99": ("vcppo", {"lambda_actor": 0.99}),
     "vcppo_la1.0": ("vcppo", {"lambda_actor": 1.0}),
+    # Drift controls: trained on rewards permuted across each batch. GRPO's is signal-free; VC-PPO's still starts
+    # from a critic pretrained on the true rewards (README, "Does RL learn?").
+    "grpo_shuffled": ("grpo", {"shuffle_rewards": True}),
+    "vcppo_shuffled": ("vcppo", {"shuffle_rewards": True}),
 }
 STAGE_ORDER = ("sft", "value_pretrain", "reward_model")
 
@@ -75,11 +78,18 @@ class Profile:
     methods: tuple[str, ...]
     fields: dict[str, dict[str, Any]]
     step_scale: float = 1.0
+    shared_sft: bool = True  # one SFT policy for every seed (as in the paper); False: each seed trains its own.
+    report: str = "study"  # 'study': the paper's figures and tables; 'learning': learning.json and its curves.
 
 
 PROFILES = {
+    # Does RL learn? The config files' recipe exactly (the main job's), VC-PPO and GRPO beside their shuffled-reward
+    # controls, each seed from its own SFT policy so the seeds also cover the cold start.
+    "learning": Profile(seeds=3, methods=("vcppo", "grpo", "vcppo_shuffled", "grpo_shuffled"), fields={},
+                        shared_sft=False,
+                        report="learning"),
     # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.
-    "full": Profile(seeds=3, methods=tuple(RECIPES), fields={
+    "full": Profile(seeds=3, methods=tuple(m for m in RECIPES if not m.endswith("_shuffled")), fields={
         "rl": {"num_steps": 60, "eval_every": 15, "save_every": 30}}),
     # Smaller model and shorter chains of thought (2 two-digit terms); fewer steps. step_scale is a guess (not
     # measured): 2 layers of width 64 over ~90-token sequences vs 4 of width 128 over ~136.
@@ -109,7 +119,7 @@ PROFILES = {
 }
 
 # Runtime model (seconds, 2 CPU cores, default sizes; see the module docstring).
-STEP_S = {"rl": 2.4, "sft": 1.05, "value_pretrain": 1.5, "reward_model": 1.5}
+STEP_S = {"rl": 4.0, "sft": 1.05, "value_pretrain": 1.5, "reward_model": 1.5}
 SETUP_S = 40.0
 EVAL_S = 3.0
 
@@ -150,7 +160,7 @@ def rl_config(method: str, seed: int, out: pathlib.Path, profile: Profile, rl_se
     c = _apply(stages.load_config_file(file), fields)
     c.seed = seed
     c.workdir = str(out / f"seed{seed}" / method)
-    c.sft_dir = str(stage_root / "sft")  # one cold-start policy for every seed and method
+    c.sft_dir = str(stage_root / "sft" if profile.shared_sft else stage_root / f"seed{seed}" / "sft")
     c.critic_dir = (str(stage_root / f"seed{seed}" / c.critic_init)
                     if c.critic_init in ("value_pretrain", "reward_model") else "")
     c.task.data_dir = str(stage_root / "tfds")
@@ -264,9 +274,13 @@ def run_plan(plan: Sequence[Run], step_scale: float = 1.0) -> tuple[list[Run], b
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="runs/reproduce", help="root of the study's runs (default runs/reproduce)")
+    p.add_argument("--out", default=None,
+                   help="root of the study's runs (default runs/reproduce; --learning: runs/learning)")
     p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3; --quick 1)")
-    p.add_argument("--quick", action="store_true", help="~10 min version: 1 seed, 4 methods, smaller model/task")
+    p.add_argument("--quick", action="store_true", help="~11 min version: 1 seed, 4 methods, smaller model/task")
+    p.add_argument("--learning", action="store_true",
+                   help="does RL learn: the config files' recipe, VC-PPO, GRPO and their shuffled-reward controls, "
+                        "3 seeds each with its own SFT (~1.6 h); writes learning.json and its figure")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-sized wiring check
     p.add_argument("--only", default="", help=f"comma-separated methods out of {','.join(RECIPES)}")
     p.add_argument("--results", default=None,
@@ -288,8 +302,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.rl_set[field] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             args.rl_set[field] = text  # a bare string, e.g. --set loss_agg=seq-mean-token-mean
-    if args.quick and args.tiny:
-        p.error("--quick and --tiny are exclusive")
+    if args.quick + args.tiny + args.learning > 1:
+        p.error("--quick, --learning and --tiny are exclusive")
+    if args.out is None:
+        args.out = "runs/learning" if args.learning else "runs/reproduce"
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds={args.seeds} must be >= 1")
     return args
@@ -297,7 +313,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    name = "tiny" if args.tiny else "quick" if args.quick else "full"
+    name = "tiny" if args.tiny else "quick" if args.quick else "learning" if args.learning else "full"
     profile = PROFILES[name]
     out = pathlib.Path(args.out).resolve()
     methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)
@@ -307,7 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_meshes(plan)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    results = pathlib.Path(args.results) if args.results else (RESULTS_DIR if name == "full" else out / "results")
+    results = (pathlib.Path(args.results) if args.results
+               else RESULTS_DIR if name in ("full", "learning") else out / "results")
 
     pending = [r for r in plan if _status(r) == "pending"]
     total = sum(estimate_seconds(r, profile.step_scale) for r in pending)
@@ -334,7 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     bad, stopped = run_plan(plan, profile.step_scale)
     print(f"[reproduce] runs finished in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    for path in plot_results.make_report(out, results):
+    report = plot_results.make_learning_report if profile.report == "learning" else plot_results.make_report
+    for path in report(out, results):
         print(f"[reproduce] wrote {path}")
     if bad:
         print("[reproduce] failed or skipped: " + ", ".join(f"seed {r.seed} {r.name}" for r in bad), flush=True)

@@ -47,7 +47,7 @@ def test_paper_settings():
         ("clip_low", 0.0, r"clip_low=0.0"),
         ("clip_high", -1.0, r"clip_high"),
         ("dual_clip", 0.5, r"dual_clip"),
-        ("num_minibatches", 3, r"num_minibatches=3 must divide .*=32"),
+        ("num_minibatches", 3, r"num_minibatches=3 must divide .*=64"),
         ("loss_agg", "mean", r"loss_agg"),
         ("kl_estimator", "k4", r"kl_estimator"),
         ("algorithm", "a2c", r"algorithm"),
@@ -57,6 +57,7 @@ def test_paper_settings():
         ("sampling.top_p", 0.0, r"top_p"),
         ("actor_optim.lr", 0.0, r"actor_optim.lr"),
         ("lambda_actor", float("nan"), r"finite"),
+        ("critic_init_bias", float("inf"), r"critic_init_bias"),
     ],
 )
 def test_rl_rejects_bad_values(field, value, match):
@@ -92,3 +93,14 @@ def test_train_cli_overrides_and_rejects():
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "config.lambda_actor=1.5 is invalid" in out.stderr + out.stdout
+
+
+def test_grpo_has_no_critic_bias_and_sft_late_phase_is_checked():
+    c = load("grpo")
+    c.critic_init_bias = -1.0
+    with pytest.raises(config_lib.ConfigError, match="critic_init_bias=-1.0 .*GRPO"):
+        config_lib.validate(c)
+    sft = load("sft")
+    sft.late_direct_fraction = 1.5
+    with pytest.raises(config_lib.ConfigError, match="late_direct_fraction"):
+        config_lib.validate(sft)

@@ -33,7 +33,7 @@ from vcppo_jax import value_train
 from vcppo_jax.config import ConfigError
 from vcppo_jax.metrics import METRICS_FILE
 from vcppo_jax.models import CausalLM, ValueModel
-from vcppo_jax.optim import init_model_state, make_optimizer
+from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
 from vcppo_jax.rl_loop import run_rl
 from vcppo_jax.sft import run_sft
 
@@ -46,7 +46,7 @@ TRAIN_KEYS = ("rollout/response_length_mean", "rollout/accuracy", "policy/clipfr
               "policy/entropy", "policy/grad_norm", "policy/lr", "perf/tokens_per_s", "perf/step_time_s",
               "diag/adv_early_bias")
 CRITIC_KEYS = ("value/loss", "value/explained_var", "diag/value_pos00")
-EVAL_KEYS = ("eval/pass@1", "eval/response_length_mean")
+EVAL_KEYS = ("eval/pass@1", "eval/response_length_mean", "probe/pass@1", "probe/response_length_mean")
 
 
 def tiny_config(algorithm: str, root, **overrides) -> ml_collections.ConfigDict:
@@ -150,10 +150,15 @@ def test_pipeline_completes_and_logs_documented_metrics(runs, algorithm):
         for k in TRAIN_KEYS + (CRITIC_KEYS if has_critic else ()):
             assert isinstance(r.get(k), float) and math.isfinite(r[k]), (k, r.get(k))
         assert has_critic or not any(k in r for k in CRITIC_KEYS)  # GRPO has no critic to report
+        # The lr of the iteration's last optimizer update: the schedule counts minibatch updates, not RL steps.
+        updates = r["step"] * config.num_epochs * config.num_minibatches
+        assert r["policy/lr"] == pytest.approx(learning_rate(config.actor_optim, updates - 1), rel=1e-6)
     for r in evals:
         for k in EVAL_KEYS:
             assert 0 <= r[k] <= (1 if k == "eval/pass@1" else config.task.max_response_len), (k, r[k])
     assert result == {k: v for k, v in evals[-1].items() if k != "step"}
+    # Step 0 evaluates the SFT policy itself: its sampled drift from the SFT policy is zero.
+    assert abs(evals[0]["probe/kl_to_sft"]) < 1e-5 and math.isfinite(evals[-1]["probe/kl_to_sft"])
 
     meta = ckpt_lib.read_meta(config.workdir)
     assert meta["done"] and meta["algorithm"] == algorithm and saved_steps(config.workdir) == [1, 2]
@@ -203,7 +208,9 @@ def test_sharded_rl_step_matches_single_device(runs):
     hp = rl.RLHparams.from_config(config)
     cfg = builders.model_config_from_json(ckpt_lib.read_meta(config.sft_dir)["model_config"], config)
     actor, critic = CausalLM(cfg), ValueModel(cfg)
-    actor_tx, critic_tx = make_optimizer(config.actor_optim), make_optimizer(config.critic_optim)
+    # No warmup here: every update moves every weight by ~lr, far above the sharded-vs-single tolerance.
+    actor_optim = ml_collections.ConfigDict(dict(config.actor_optim.to_dict(), warmup_steps=0))
+    actor_tx, critic_tx = make_optimizer(actor_optim), make_optimizer(config.critic_optim)
     state = rl.RLState(actor=init_model_state(random_params(actor, 0)["params"], actor_tx),
                        critic=init_model_state(random_params(critic, 1)["params"], critic_tx), ref_params=None,
                        rng=jax.random.PRNGKey(config.seed), step=jnp.zeros((), jnp.int32))
@@ -237,7 +244,7 @@ def test_sharded_rl_step_matches_single_device(runs):
     assert_trees_close(jax.device_get(m_exp_8), jax.device_get(m_exp_1), **tol)
     assert_trees_close(jax.device_get(m_up_8), m_up_1, **tol)
     state_8 = jax.device_get(state_8)
-    for net, lr in (("actor", config.actor_optim.lr), ("critic", config.critic_optim.lr)):
+    for net, lr in (("actor", actor_optim.lr), ("critic", config.critic_optim.lr)):
         before, single, sharded = (jax.tree_util.tree_flatten_with_path(getattr(s, net).params)[0]
                                    for s in (initial, state_1, state_8))
         for (path, p0), (_, p1), (_, p8) in zip(before, single, sharded):

@@ -170,13 +170,15 @@ def test_empty_tree_still_writes_the_table(tmp_path):
 
 
 def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
-    plan = reproduce.build_plan(tmp_path, [0, 1], list(reproduce.RECIPES), reproduce.PROFILES["full"])
-    assert set(reproduce.RECIPES) == set(plot_results.METHODS)
+    methods = list(reproduce.PROFILES["full"].methods)
+    plan = reproduce.build_plan(tmp_path, [0, 1], methods, reproduce.PROFILES["full"])
+    assert set(methods) == set(plot_results.METHODS)
+    assert set(reproduce.RECIPES) == set(plot_results.METHODS) | set(plot_results.LEARNING_METHODS)
     per_seed = [[r for r in plan if r.seed == s] for s in (0, 1)]
     sft_dir = str(tmp_path.resolve() / "sft")
     # One SFT for the whole study, planned with the first seed; each seed has its own critic stages.
-    assert [r.name for r in per_seed[0]] == ["sft", "value_pretrain", "reward_model", *reproduce.RECIPES]
-    assert [r.name for r in per_seed[1]] == ["value_pretrain", "reward_model", *reproduce.RECIPES]
+    assert [r.name for r in per_seed[0]] == ["sft", "value_pretrain", "reward_model", *methods]
+    assert [r.name for r in per_seed[1]] == ["value_pretrain", "reward_model", *methods]
     assert [r.workdir for r in plan if r.name == "sft"] == [sft_dir]
     for seed, runs in zip((0, 1), per_seed):
         by = {r.name: r.config for r in runs}
@@ -185,23 +187,77 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
         assert {by["value_pretrain"].workdir, by["reward_model"].workdir} == {
             str(tmp_path.resolve() / f"seed{seed}" / s) for s in ("value_pretrain", "reward_model")}
         assert len({c.task.data_dir for c in by.values()}) == 1
-        lam = {n: (by[n].lambda_actor, by[n].lambda_critic, by[n].critic_init) for n in reproduce.RECIPES}
+        lam = {n: (by[n].lambda_actor, by[n].lambda_critic, by[n].critic_init) for n in methods}
         assert lam["ppo"] == (0.95, 0.95, "reward_model") and by["ppo"].critic_dir == by["reward_model"].workdir
         assert lam["vcppo"] == (0.95, 1.0, "value_pretrain") and by["vcppo"].critic_dir == by["value_pretrain"].workdir
         assert lam["vcppo_no_vpt"] == (0.95, 1.0, "actor")
         assert lam["vcppo_no_dgae"] == (0.95, 0.95, "value_pretrain")
         assert by["grpo"].algorithm == "grpo" and by["grpo"].critic_init == "none"
         assert [lam[f"vcppo_la{x}"][:2] for x in ("0.9", "0.99", "1.0")] == [(0.9, 1.0), (0.99, 1.0), (1.0, 1.0)]
-        assert {by[m].num_steps for m in reproduce.RECIPES} == {60}  # the full profile's RL length
+        assert {by[m].num_steps for m in methods} == {60}  # the full profile's RL length
+        assert not any(c.shuffle_rewards for c in by.values() if c.stage == "rl")
     # Every run's dependencies are planned before it.
     position = {r.workdir: i for i, r in enumerate(plan)}
     assert all(position[w] < position[r.workdir] for r in plan for w in r.needs)
-    full = reproduce.build_plan(tmp_path, [0, 1, 2], list(reproduce.RECIPES), reproduce.PROFILES["full"])
-    assert sum(reproduce.estimate_seconds(r) for r in full) < 2 * 3600
+    full = reproduce.build_plan(tmp_path, [0, 1, 2], methods, reproduce.PROFILES["full"])
+    assert sum(reproduce.estimate_seconds(r) for r in full) < 2.5 * 3600
     quick = reproduce.PROFILES["quick"]
     qplan = reproduce.build_plan(tmp_path, [0], list(quick.methods), quick)
-    assert sum(reproduce.estimate_seconds(r, quick.step_scale) for r in qplan) < 11 * 60
+    assert sum(reproduce.estimate_seconds(r, quick.step_scale) for r in qplan) < 12 * 60
     assert {r.config.model.hidden_size for r in qplan} == {64}  # profile sizes reach the derived stages too
+
+
+def test_learning_plan_trains_one_sft_per_seed_and_the_shuffled_control(tmp_path):
+    profile = reproduce.PROFILES["learning"]
+    plan = reproduce.build_plan(tmp_path, [0, 1], list(profile.methods), profile)
+    root = tmp_path.resolve()
+    for seed in (0, 1):
+        by = {r.name: r.config for r in plan if r.seed == seed}
+        assert list(by) == ["sft", "value_pretrain", "vcppo", "grpo", "vcppo_shuffled", "grpo_shuffled"]
+        assert by["sft"].workdir == str(root / f"seed{seed}" / "sft") and by["sft"].seed == seed
+        assert {by[m].sft_dir for m in ("value_pretrain", *profile.methods)} == {by["sft"].workdir}
+        assert [by[m].shuffle_rewards for m in profile.methods] == [False, False, True, True]
+        grpo_control = dict(by["grpo_shuffled"].to_dict(), shuffle_rewards=False, workdir=by["grpo"].workdir)
+        assert grpo_control == by["grpo"].to_dict()
+        # The control differs from VC-PPO in that field alone; every run keeps the config files' recipe.
+        control = dict(by["vcppo_shuffled"].to_dict(), shuffle_rewards=False, workdir=by["vcppo"].workdir)
+        assert control == by["vcppo"].to_dict()
+        assert by["vcppo"].num_steps == reproduce.stages.load_config_file("vcppo").num_steps
+
+
+def test_learning_report_is_step0_and_last_eval_per_seed(tmp_path):
+    rng = np.random.default_rng(1)
+    truth = {}
+    for method in plot_results.LEARNING_METHODS:
+        for seed in (0, 1):
+            with MetricWriter(tmp_path / f"seed{seed}" / method, tensorboard=False) as w:
+                evals = {}
+                for step in (0, 4, 8):
+                    evals[step] = {k: float(rng.uniform()) for k in plot_results.LEARNING_KEYS.values()}
+                    if step:
+                        w.write(step, {"rollout/accuracy": float(rng.uniform()), "policy/approx_kl": 0.01})
+                    w.write(step, evals[step])
+            truth[(method, seed)] = evals
+    sft_pass = {seed: rng.uniform(size=4) for seed in (0, 1)}  # the SFT run's evals at steps 100..400
+    for seed, values in sft_pass.items():
+        with MetricWriter(tmp_path / f"seed{seed}" / "sft", tensorboard=False) as w:
+            for i, v in enumerate(values):
+                w.write(100 * (i + 1), {"eval/pass@1": float(v), "train/loss": 1.0})
+    paths = plot_results.make_learning_report(tmp_path, tmp_path / "results")
+    assert {p.name for p in paths} == {"learning.json", "learning.md", "fig_learning.png"}
+    assert (tmp_path / "results" / "fig_learning.png").read_bytes()[:8] == PNG_MAGIC
+    table = json.loads((tmp_path / "results" / "learning.json").read_text())
+    for (method, seed), evals in truth.items():
+        row = table["methods"][method]["per_seed"][str(seed)]
+        assert row["pass@1_step0"] == evals[0]["eval/pass@1"] and row["pass@1_last"] == evals[8]["eval/pass@1"]
+        assert row["response_length_last"] == evals[8]["eval/response_length_mean"] and row["last_step"] == 8
+        assert row["kl_to_sft_last"] == evals[8]["probe/kl_to_sft"]
+        assert row["pass@1_gain"] == pytest.approx(evals[8]["eval/pass@1"] - evals[0]["eval/pass@1"])
+        best = int(np.argmax(sft_pass[seed]))
+        assert row["sft_best_step"] == 100 * (best + 1) and row["sft_best_pass@1"] == sft_pass[seed][best]
+        assert row["pass@1_gain_over_best_sft"] == pytest.approx(evals[8]["eval/pass@1"] - sft_pass[seed][best])
+    gains = [truth[(m, s)][8]["eval/pass@1"] - truth[(m, s)][0]["eval/pass@1"] for m, s in truth if m == "grpo"]
+    assert table["methods"]["grpo"]["pass@1_gain"]["mean"] == pytest.approx(np.mean(gains))
 
 
 def test_plan_rejects_unknown_methods(tmp_path):

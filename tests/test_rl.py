@@ -139,6 +139,27 @@ def test_update_improves_objectives_and_traces_once(nets):
     update(new_state, exp)  # same shapes: no retrace (assert_max_traces would raise)
 
 
+def test_update_reports_the_whole_iterations_movement(nets):
+    """policy/approx_kl and policy/clipfrac compare the sampling policy with the policy after all minibatch steps,
+    on every rollout token (not a mean over minibatch steps whose first is exactly on-policy)."""
+    hp = hparams(**UPDATE_HP)
+    state, _ = make_state(nets, hp)
+    ro = make_rollout()
+    make_exp, update = compiled(hp)
+    exp, _ = make_exp(state, ro)
+    new_state, m = update(state, exp)
+    logp, _ = logprobs_fn(ACTOR, new_state.actor.params, exp["tokens"], exp["attn_mask"], prompt_len=P, chunk=4,
+                          temperature=hp.temperature)
+    valid = np.asarray(exp["mask"]) > 0
+    log_ratio = (np.asarray(logp) - np.asarray(exp["old_logp"]))[valid]
+    ratio = np.exp(log_ratio)
+    np.testing.assert_allclose(float(m["policy/approx_kl"]), np.mean(ratio - 1 - log_ratio), rtol=1e-4, atol=1e-7)
+    outside = (ratio < 1 - hp.clip_low) | (ratio > 1 + hp.clip_high)
+    np.testing.assert_allclose(float(m["policy/clipfrac"]), outside.mean(), atol=1e-6)
+    np.testing.assert_allclose(float(m["policy/ratio_max"]), ratio.max(), rtol=1e-5)
+    assert float(m["policy/approx_kl"]) > 0 and "policy/mb_approx_kl" in m
+
+
 def test_grpo_group_advantages(nets):
     hp = hparams("grpo")
     state, tx = make_state(nets, hp)

@@ -118,6 +118,9 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.sft_dir = "runs/default/sft"
     c.critic_init = "value_pretrain"
     c.critic_dir = "runs/default/value_pretrain"
+    # Added to the value head's bias when RL starts, for any critic_init: the critic's initial bias as an
+    # experimental factor (the paper's Fig. 2 critic is pessimistic: < 0). 0 = the critic as initialized.
+    c.critic_init_bias = 0.0
     c.run_missing_stages = True
     c.stage_overrides = stage_overrides()
     # Advantage estimation (paper Algorithm 1).
@@ -142,33 +145,49 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.reward_correct = 1.0
     c.reward_wrong = -1.0
     # Rollouts.
-    c.prompts_per_step = 8
+    # 64 responses per step: with 32 the update's noise costs as much accuracy as its signal gains (README, "Does RL
+    # learn?").
+    c.prompts_per_step = 16
     c.group_size = 4
     c.sampling = sampling_config()
     # Updates. The learning rates suit the tiny CPU model; LLM-scale runs use ~1e-6 (actor) and ~1e-5 (critic).
     c.num_epochs = 1
     c.num_minibatches = 2
     c.actor_optim = optim_config(3e-5)
+    # Adam's first update moves every weight by lr * sign(grad) whatever the gradient's size; from a converged SFT
+    # policy that alone breaks its outputs at larger lrs. Ramp the lr over the first optimizer updates instead.
+    c.actor_optim.warmup_steps = 10
     c.critic_optim = optim_config(3e-4)
     c.logprob_chunk = 128
     # Loop.
-    c.num_steps = 100
-    c.eval_every = 25
+    c.num_steps = 60
+    c.eval_every = 20
     c.eval_prompts = 64
-    c.save_every = 25
+    c.save_every = 20
     c.diag_buckets = 16  # token-position buckets for the value/advantage-by-position diagnostics.
     c.diag_early_tokens = 16
+    # Controls that separate learning from drift. shuffle_rewards: train on the batch's rewards permuted across
+    # responses (same rewards and lengths, no link to the answers); rollout/accuracy still reports the true ones.
+    # eval_kl_to_sft: at each evaluation also sample the probe prompts at the training temperature and report
+    # probe/pass@1 and probe/kl_to_sft (per-token KL(policy || SFT policy); holds the SFT params in memory).
+    c.shuffle_rewards = False
+    c.eval_kl_to_sft = True
     return c
 
 
 def base_sft_config() -> ml_collections.ConfigDict:
     c = _common("sft", "runs/default/sft")
     c.batch_size = 32
-    c.num_steps = 400
+    c.num_steps = 450
     c.direct_fraction = 0.3  # fraction of traces in short "direct answer" style (lets a policy collapse to short).
+    # Over the last `late_steps` steps the share is `late_direct_fraction` instead (0 steps = off): a cold start that
+    # keeps the chain-of-thought skill of its main phase but ends up preferring the short answer (README, "Does RL
+    # learn?").
+    c.late_steps = 50
+    c.late_direct_fraction = 0.7
     c.optim = optim_config(3e-3)
     c.optim.warmup_steps = 20
-    c.optim.decay_steps = 380
+    c.optim.decay_steps = 430
     c.eval_every = 100
     c.save_every = 100
     c.eval_prompts = 64
@@ -314,6 +333,7 @@ def _validate_rl(c) -> None:
     if c.dual_clip != 0:
         _check_range(c, "dual_clip", 1.0, float("inf"), lo_open=True, hi_open=True)
     _check_range(c, "value_clip", 0.0, float("inf"), hi_open=True)
+    _check_range(c, "critic_init_bias", -float("inf"), float("inf"), lo_open=True, hi_open=True)
     _check_choice(c, "loss_agg", LOSS_AGG_MODES)
     _check_choice(c, "kl_estimator", KL_ESTIMATORS)
     for f in ("kl_coef", "entropy_coef", "nll_coef"):
@@ -337,6 +357,8 @@ def _validate_rl(c) -> None:
             _fail("group_size", c.group_size, "must be >= 2 for GRPO (advantages are relative within a group)")
         if c.critic_init != "none":
             _fail("critic_init", c.critic_init, "must be 'none' for GRPO (it has no critic)")
+        if c.critic_init_bias != 0:
+            _fail("critic_init_bias", c.critic_init_bias, "must be 0 for GRPO (it has no critic)")
     else:
         if c.critic_init == "none":
             _fail("critic_init", c.critic_init, f"needs a critic for algorithm={c.algorithm!r}; use one of "
@@ -372,6 +394,8 @@ def _validate_sft(c) -> None:
     _check_int(c, "batch_size", 1)
     _check_int(c, "num_steps", 0)
     _check_range(c, "direct_fraction", 0.0, 1.0)
+    _check_int(c, "late_steps", 0)  # >= num_steps: the whole run uses late_direct_fraction
+    _check_range(c, "late_direct_fraction", 0.0, 1.0)
     _validate_optim(c, "optim")
     _validate_sampling(c)
     _check_int(c, "eval_every", 1)

@@ -202,7 +202,8 @@ def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
         mask = mb["mask"]
         loss, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_low=hp.clip_low,
                                      clip_high=hp.clip_high, dual_clip=hp.dual_clip, agg_mode=hp.loss_agg)
-        m = dict(m)
+        # Ratio statistics of this minibatch step (the first step of an iteration is exactly on-policy).
+        m = {k.replace("policy/", "policy/mb_"): v for k, v in m.items() if k != "policy/loss"}
         m["policy/pg_loss"] = loss
         ent = losses.aggregate(entropy, mask, hp.loss_agg)
         m["policy/entropy"] = ent
@@ -235,10 +236,34 @@ def critic_loss_fn(hp: RLHparams, critic: nn.Module) -> Callable:
     return loss_fn
 
 
+def policy_movement(hp: RLHparams, actor: nn.Module, params, experience: Batch) -> dict:
+    """How far one whole update moved the policy on that iteration's rollout, measured after the update.
+
+    Per-minibatch means of the ratio statistics include the first minibatch step, which is exactly on-policy, so
+    they under-read the movement; these compare the policy that sampled the rollout (`old_logp`) with the updated
+    one on every token: policy/approx_kl (k3 estimate of KL(pi_old || pi_new) per token), policy/clipfrac (tokens
+    whose ratio left [1 - clip_low, 1 + clip_high]), policy/ratio_min|max.
+    """
+    logp, _ = policy_logprobs(actor, params, experience["tokens"], experience["attn_mask"], prompt_len=hp.prompt_len,
+                              chunk=hp.logprob_chunk, temperature=hp.temperature)
+    logp = jax.lax.stop_gradient(logp)
+    valid = experience["mask"] > 0
+    log_ratio = jnp.where(valid, logp - experience["old_logp"], 0.0)
+    ratio = jnp.exp(log_ratio)
+    n = jnp.maximum(valid.sum(), 1)
+    outside = valid & ((ratio < 1.0 - hp.clip_low) | (ratio > 1.0 + hp.clip_high))
+    return {"policy/approx_kl": jnp.where(valid, ratio - 1.0 - log_ratio, 0.0).sum() / n,
+            "policy/clipfrac": outside.sum() / n,
+            "policy/ratio_min": jnp.where(valid, ratio, jnp.inf).min(),
+            "policy/ratio_max": jnp.where(valid, ratio, -jnp.inf).max()}
+
+
 def make_update_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None,
                    actor_tx: optax.GradientTransformation, critic_tx: optax.GradientTransformation | None):
     """Returns `update(state, experience) -> (state, metrics)`: epochs x minibatches for the actor, then the same
-    for the critic (they share no parameters, so the order does not matter). Metrics are means over steps."""
+    for the critic (they share no parameters, so the order does not matter). Loss metrics are means over the
+    minibatch steps (`policy/mb_*` for the per-minibatch ratio statistics); `policy_movement` gives the whole
+    update's."""
     actor_loss, critic_loss = actor_loss_fn(hp, actor), critic_loss_fn(hp, critic) if hp.has_critic else None
     sgd = functools.partial(train_epochs, num_epochs=hp.num_epochs, num_minibatches=hp.num_minibatches)
 
@@ -246,6 +271,7 @@ def make_update_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None,
         rng, actor_rng, critic_rng = jax.random.split(state.rng, 3)
         actor_state, m = sgd(state.actor, experience, actor_rng, actor_loss, actor_tx)
         m["policy/grad_norm"] = m.pop("grad_norm")
+        m.update(policy_movement(hp, actor, actor_state.params, experience))
         critic_state = state.critic
         if hp.has_critic:
             critic_state, vm = sgd(state.critic, experience, critic_rng, critic_loss, critic_tx)

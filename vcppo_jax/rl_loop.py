@@ -6,6 +6,8 @@ Every step is reproducible from (seed, step): prompts come from `batch_indices(s
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -19,9 +21,9 @@ from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
-from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
+from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shift_value_head
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
-from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, rollout_stats
+from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, rollout_stats, shuffle_rewards
 from vcppo_jax.sampling import make_sampler
 
 CRITIC_HINTS = {"value_pretrain": "run experiments/pretrain_value.py first or set config.critic_init",
@@ -96,6 +98,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                 critic_params = ckpt_lib.load_params(config.critic_dir,
                                                      rt_lib.with_shardings(critic_abs_p, rt.shardings(critic_abs_p)),
                                                      key="critic_params", hint=CRITIC_HINTS[config.critic_init])
+            if config.critic_init_bias:
+                critic_params = shift_value_head(critic_params, config.critic_init_bias)
             state["critic"] = shard(rt_lib.model_state_to_dict(init_model_state(critic_params, critic_tx),
                                                                "critic_params"), target["critic"])
         if config.kl_coef > 0:
@@ -117,6 +121,16 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
     greedy = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                           temperature=0.0)
+    # Drift control: KL(policy || SFT policy) on the probe prompts (the first `eval_prompts` test records).
+    # With a KL penalty the state already holds the SFT policy (`ref_params`); it is read from the live state at
+    # each eval and passed as an argument, never closed over: `update` donates the state's buffers.
+    sft_params = None
+    if config.eval_kl_to_sft:
+        if state.ref_params is None:
+            sft_params = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
+        with rt.context():
+            policy_logprobs = jax.jit(lambda params, tokens, mask: rl.policy_logprobs(
+                actor, params, tokens, mask, prompt_len=P, chunk=hp.logprob_chunk, temperature=hp.temperature)[0])
 
     logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc=config.algorithm,
                                show=("rollout/accuracy", "rollout/response_length_mean", "value/explained_var",
@@ -127,9 +141,16 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
 
     def run_eval(step: int) -> None:
         nonlocal last_eval
-        last_eval = evaluate(greedy, state.actor.params, test, tok, verifier, num_prompts=config.eval_prompts,
-                             batch_size=min(config.eval_prompts, batch), max_prompt_len=P,
-                             correct=config.reward_correct, rng=key, place=rt.place_batch)
+        kw = dict(num_prompts=config.eval_prompts, batch_size=min(config.eval_prompts, batch), max_prompt_len=P,
+                  correct=config.reward_correct, rng=key, place=rt.place_batch)
+        last_eval = evaluate(greedy, state.actor.params, test, tok, verifier, **kw)
+        if config.eval_kl_to_sft:
+            # The same prompts sampled as in training: sampled pass@1 and the drift from the SFT policy.
+            ref = state.ref_params if state.ref_params is not None else sft_params
+            probe = evaluate(sampler, state.actor.params, test, tok, verifier, prefix="probe",
+                             ref_logprobs=functools.partial(policy_logprobs, ref), **kw)
+            last_eval.update({k.replace("kl_to_ref", "kl_to_sft"): v for k, v in probe.items()
+                              if not k.endswith("direct_fraction")})
         logger.write(step, last_eval)
 
     try:
@@ -142,15 +163,19 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
                     rollout, _ = generate_and_score(sampler, state.actor.params, pb, jax.random.fold_in(key, step),
                                                     tok, verifier, rt.place_batch)
+                    # The control trains on permuted rewards; rollout stats below still report the true ones.
+                    train_rollout = (shuffle_rewards(rollout, np.random.default_rng([config.seed, step]))
+                                     if config.shuffle_rewards else rollout)
                 with timer.section("experience"):
-                    experience, m_exp = make_experience(state, rt.place_batch(rollout))
+                    experience, m_exp = make_experience(state, rt.place_batch(train_rollout))
                 with timer.section("update"):
                     state, m_up = update(state, experience)
-                    m = jax.device_get({**m_exp, **m_up})
+                    m, actor_updates = jax.device_get(({**m_exp, **m_up}, state.actor.step))
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 m = {k: float(v) for k, v in m.items()}
                 m.update(rollout_stats(rollout, config.reward_correct, R))
-                m["policy/lr"] = float(learning_rate(config.actor_optim, step))
+                # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).
+                m["policy/lr"] = float(learning_rate(config.actor_optim, max(int(actor_updates) - 1, 0)))
                 m.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
                 bias_history.append(m["diag/adv_early_bias"])
                 warning = metrics_lib.collapse_warning(bias_history)

@@ -33,16 +33,30 @@ def prompt_batch(source: RecordSource, indices: Sequence[int], tokenizer, *, max
     return PromptBatch(tokens=tokens, mask=mask, answers=[r["answer"] for r in records])
 
 
-def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
-    """The RL batch (see `rl.py`): sequence reward placed at each response's last token."""
-    response_mask = np.asarray(out.response_mask, np.float32)
-    lengths = np.asarray(out.lengths)
+def place_rewards(seq_rewards: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
+    """Token rewards [B, R]: each sequence reward [B] at its response's last token (the EOS when there is one)."""
     batch, resp_len = response_mask.shape
+    lengths = np.asarray(response_mask).sum(axis=1).astype(np.int64)
     rewards = np.zeros((batch, resp_len), np.float32)
     rewards[np.arange(batch), np.maximum(lengths, 1) - 1] = seq_rewards
+    return rewards
+
+
+def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
+    """The RL batch (see `rl.py`): sequence reward placed at each response's last token; `sample_logp` [B, R] is
+    the sampler's log-prob of each drawn token (0 past the response)."""
+    response_mask = np.asarray(out.response_mask, np.float32)
     attn_mask = np.concatenate([np.asarray(prompt_mask, bool), response_mask > 0], axis=1)
     return dict(tokens=np.asarray(out.tokens, np.int32), attn_mask=attn_mask, response_mask=response_mask,
-                rewards=rewards, seq_rewards=np.asarray(seq_rewards, np.float32))
+                rewards=place_rewards(seq_rewards, response_mask), seq_rewards=np.asarray(seq_rewards, np.float32),
+                sample_logp=np.asarray(out.logprobs, np.float32))
+
+
+def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """The shuffled-reward control: sequence rewards permuted across the rows of the batch, then placed at each
+    row's own last token. Keeps the reward distribution and every length; removes any link to the response."""
+    seq_rewards = rollout["seq_rewards"][rng.permutation(len(rollout["seq_rewards"]))]
+    return dict(rollout, seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout["response_mask"]))
 
 
 def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,
@@ -71,16 +85,19 @@ def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) 
 
 def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
              batch_size: int, max_prompt_len: int, correct: float, rng: jax.Array, prefix: str = "eval",
-             place: Callable = lambda x: x) -> dict[str, float]:
+             place: Callable = lambda x: x, ref_logprobs: Callable | None = None) -> dict[str, float]:
     """pass@1 (one sample per prompt from `sampler`) and response length on the first `num_prompts` records.
 
     `direct_fraction` counts single-line answers (no scratchpad): the short style a collapsing policy falls into.
+    ref_logprobs: `fn(tokens [B, P+R], attn_mask [B, P+R]) -> [B, R]` log-probs of the response tokens under a
+    reference policy (at the sampler's temperature); adds `kl_to_ref`, the per-token Monte-Carlo estimate of
+    KL(sampler || reference) = E[log q(y) - log p_ref(y)] over the sampled tokens.
     """
     num_prompts = min(num_prompts, len(source))
     num_prompts -= num_prompts % batch_size
     if num_prompts < batch_size:
         raise ValueError(f"evaluation needs at least one batch of {batch_size} prompts; the split has {len(source)}")
-    rewards, lengths, single_line = [], [], []
+    rewards, lengths, single_line, log_ratio_sum = [], [], [], 0.0
     for start in range(0, num_prompts, batch_size):
         batch = prompt_batch(source, range(start, start + batch_size), tokenizer, max_prompt_len=max_prompt_len)
         rollout, texts = generate_and_score(sampler, params, batch, jax.random.fold_in(rng, start), tokenizer,
@@ -88,7 +105,13 @@ def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifie
         rewards.append(rollout["seq_rewards"])
         lengths.append(rollout["response_mask"].sum(axis=1))
         single_line.extend("\n" not in t.strip() for t in texts)
+        if ref_logprobs is not None:
+            ref = np.asarray(jax.device_get(ref_logprobs(place(rollout["tokens"]), place(rollout["attn_mask"]))))
+            log_ratio_sum += float(((rollout["sample_logp"] - ref) * rollout["response_mask"]).sum())
     rewards, lengths = np.concatenate(rewards), np.concatenate(lengths)
-    return {f"{prefix}/pass@1": float((rewards >= correct).mean()),
-            f"{prefix}/response_length_mean": float(lengths.mean()),
-            f"{prefix}/direct_fraction": float(np.mean(single_line))}
+    out = {f"{prefix}/pass@1": float((rewards >= correct).mean()),
+           f"{prefix}/response_length_mean": float(lengths.mean()),
+           f"{prefix}/direct_fraction": float(np.mean(single_line))}
+    if ref_logprobs is not None:
+        out[f"{prefix}/kl_to_ref"] = log_ratio_sum / max(float(lengths.sum()), 1.0)
+    return out

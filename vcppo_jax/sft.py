@@ -28,6 +28,12 @@ def use_direct_style(indices: np.ndarray, seed: int, fraction: float) -> np.ndar
     return h < np.uint64(round(fraction * 10007))
 
 
+def direct_fraction(config: ml_collections.ConfigDict, step: int) -> float:
+    """Share of direct-style traces at SFT `step`: `late_direct_fraction` over the last `late_steps` steps."""
+    late = config.late_steps and step >= config.num_steps - config.late_steps
+    return config.late_direct_fraction if late else config.direct_fraction
+
+
 def sft_loss_fn(model: nn.Module, *, prompt_len: int, chunk: int):
     def loss_fn(params, batch):
         logp, _ = policy_logprobs(model, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
@@ -95,7 +101,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
                 with timer.section("data"):
                     idx = batch_indices(len(train), config.batch_size, step, config.seed)
                     records = train.get_batch(idx)
-                    direct = use_direct_style(idx, config.seed, config.direct_fraction)
+                    direct = use_direct_style(idx, config.seed, direct_fraction(config, step))
                     targets = [r["direct"] if d and "direct" in r else r["cot"] for r, d in zip(records, direct)]
                     enc = encode_sft(tok, [r["prompt"] for r in records], targets, P, R, truncate=True)
                     batch = rt.place_batch({"tokens": enc["tokens"], "attn_mask": enc["attention_mask"] > 0,

@@ -6,10 +6,10 @@ from vcppo_jax.models.hf import (load_hf_checkpoint, load_hf_value_checkpoint, s
 from vcppo_jax.models.logprobs import token_logprobs
 from vcppo_jax.models.transformer import (CausalLM, Decoder, KVCache, ValueModel, attention_mask,
                                           critic_params_from_actor, init_cache, init_params, param_logical_axes,
-                                          position_ids)
+                                          position_ids, shift_value_head)
 
 __all__ = [
     "CausalLM", "Decoder", "KVCache", "ModelConfig", "ValueModel", "attention_mask", "critic_params_from_actor",
     "init_cache", "init_params", "load_hf_checkpoint", "load_hf_value_checkpoint", "param_logical_axes",
-    "position_ids", "save_hf_checkpoint", "save_hf_value_checkpoint", "token_logprobs",
+    "position_ids", "save_hf_checkpoint", "save_hf_value_checkpoint", "shift_value_head", "token_logprobs",
 ]

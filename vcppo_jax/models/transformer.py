@@ -406,6 +406,13 @@ def param_logical_axes(model: nn.Module) -> dict:
     return nn.get_partition_spec(abstract)
 
 
+def shift_value_head(critic_params: dict, bias: float) -> dict:
+    """ValueModel params (the 'params' collection) with `bias` added to the value head's bias: V(s) + bias for
+    every state. The critic's initial bias as an experimental factor (a pessimistic critic has bias < 0)."""
+    head = critic_params["value_head"]
+    return {**critic_params, "value_head": {**head, "bias": head["bias"] + jnp.asarray(bias, head["bias"].dtype)}}
+
+
 def critic_params_from_actor(actor_params: dict, rng: Array | None = None, init_std: float = 0.0) -> dict:
     """ValueModel variables from CausalLM variables: copied backbone + fresh value head.
 
