@@ -106,16 +106,7 @@ def assert_same_rl_state(workdir, reference):
         assert_trees_close(load(workdir, model, key), load(reference, model, key), rtol=0, atol=1e-6)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    # JAX opens the cache once per process, so later modules keep writing to this dir; only the settings revert.
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    yield
-    for n, v in before.items():
-        jax.config.update(n, v)
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -133,16 +133,7 @@ def moved(a, b) -> bool:
     return any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compilation_cache(tmp_path_factory):
-    # As in test_pipeline: JAX opens the cache once per process; only the settings revert.
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    before = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    yield
-    for n, v in before.items():
-        jax.config.update(n, v)
+pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
 
 
 @pytest.fixture(scope="module")
