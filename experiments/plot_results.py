@@ -16,7 +16,14 @@ Reads `<out>/seed<k>/<run>/metrics.jsonl` (run = a method of `METHODS`, or the `
                                     first RL step (value at the first tokens, early-token advantage bias, explained
                                     variance)
 
+`make_learning_report` (`reproduce.py --learning`) writes learning.json / .md and fig_learning.png;
+`make_mechanism_report` (`reproduce.py --mechanism`) writes mechanism.json / .md (per arm and seed: greedy pass@1,
+length and direct-answer fraction at step 0 and at the last evaluation, the initial critic's error against the
+Monte-Carlo return, the collapse signal) and fig_mechanism*.png (length, accuracy and the collapse signal per arm;
+the lambda_actor sweep; critic error by position and over RL steps; the initial-bias map; value pretraining).
+
   python experiments/plot_results.py --out runs/reproduce [--results experiments/results]
+  python experiments/plot_results.py --out runs/mechanism --report mechanism
 
 Std is the sample std over seeds (ddof=1); with a single seed it is reported as 0 / null.
 """
@@ -41,7 +48,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
+from vcppo_jax.metrics import (COLLAPSE_CORR, COLLAPSE_VALUE_ERR, COLLAPSE_WINDOW, METRICS_FILE,  # noqa: E402
+                               read_metrics)
 
 Records = list[dict[str, Any]]
 Tree = dict[str, dict[int, Records]]  # run name -> seed -> metrics records (sorted by step)
@@ -326,11 +334,20 @@ def _band(ax, runs: dict[int, Records], key: str, label: str, color: str, smooth
     return True
 
 
-def _save(fig, axes, path: pathlib.Path, title: str, zero_line: bool = False) -> pathlib.Path:
+def _save(fig, axes, path: pathlib.Path, title: str, zero_line: bool = False,
+          legend_below: bool = False) -> pathlib.Path:
     for ax in axes:
         if zero_line:
             ax.axhline(0.0, color="k", lw=0.5)
         ax.grid(alpha=0.3)
+    if legend_below:  # many long labels: one legend under the panels instead of over one of them
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=8)
+        fig.suptitle(title)
+        fig.tight_layout(rect=(0, 0.04 + 0.025 * ((len(labels) + 1) // 2), 1, 1))
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
     axes[1].legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
@@ -444,6 +461,19 @@ LEARNING_KEYS = {"pass@1": "eval/pass@1", "response_length": "eval/response_leng
                  "kl_to_sft": "probe/kl_to_sft"}
 
 
+def step0_and_last(records: Records, keys: dict[str, str]) -> dict[str, Any]:
+    """{name}_step0 (the evaluation at step 0, the SFT policy, if there is one) and {name}_last (the last
+    evaluation) for each {name: metric key}, and last_step."""
+    row: dict[str, Any] = {}
+    for name, key in keys.items():
+        first, last = first_value(records, key), final_value(records, key)
+        if first is not None and first[0] == 0:
+            row[f"{name}_step0"] = first[1]
+        if last is not None:
+            row[f"{name}_last"], row["last_step"] = last[1], last[0]
+    return row
+
+
 def learning_table(tree: Tree) -> dict[str, Any]:
     """Per method and seed: each `LEARNING_KEYS` metric at step 0 (the SFT policy) and at the last evaluation, and
     the gain in greedy pass@1; per method, the gain's mean and std over seeds."""
@@ -451,13 +481,7 @@ def learning_table(tree: Tree) -> dict[str, Any]:
     for method, label in LEARNING_METHODS.items():
         per_seed = {}
         for seed, records in sorted(tree.get(method, {}).items()):
-            row: dict[str, Any] = {}
-            for name, key in LEARNING_KEYS.items():
-                first, last = first_value(records, key), final_value(records, key)
-                if first is not None and first[0] == 0:
-                    row[f"{name}_step0"] = first[1]
-                if last is not None:
-                    row[f"{name}_last"], row["last_step"] = last[1], last[0]
+            row = step0_and_last(records, LEARNING_KEYS)
             if "pass@1_step0" in row and "pass@1_last" in row:
                 row["pass@1_gain"] = row["pass@1_last"] - row["pass@1_step0"]
             # The SFT run's best evaluated checkpoint (the RL start is its last one): RL must beat that too.
@@ -517,17 +541,244 @@ def plot_learning(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
     return _save(fig, list(axes.flat), path, "Does RL learn? mean ± std over seeds (tiny model, synthetic task)")
 
 
+def write_json_and_markdown(table: dict[str, Any], markdown: str, results_dir: pathlib.Path,
+                            name: str) -> tuple[pathlib.Path, pathlib.Path]:
+    js, md = results_dir / f"{name}.json", results_dir / f"{name}.md"
+    js.write_text(json.dumps(table, indent=2) + "\n")
+    md.write_text(markdown)
+    return js, md
+
+
 def make_learning_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path) -> list[pathlib.Path]:
     """learning.json, learning.md and fig_learning.png from a `reproduce.py --learning` tree."""
     out_dir, results_dir = pathlib.Path(out_dir), pathlib.Path(results_dir)
     tree = load_tree(out_dir)
     results_dir.mkdir(parents=True, exist_ok=True)
     table = learning_table(tree)
-    js, md = results_dir / "learning.json", results_dir / "learning.md"
-    js.write_text(json.dumps(table, indent=2) + "\n")
-    md.write_text(learning_markdown(table))
+    js, md = write_json_and_markdown(table, learning_markdown(table), results_dir, "learning")
     fig = plot_learning(tree, results_dir / "fig_learning.png")
     return [p for p in (fig, js, md) if p is not None]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The mechanism study (`reproduce.py --mechanism`).
+# ----------------------------------------------------------------------------------------------------------------
+
+MECHANISM_METHODS = {
+    "ppo": "PPO 0.95/0.95, critic = pessimistic reward model (truncations labelled failures)",
+    "vcppo_no_dgae": "PPO 0.95/0.95, calibrated critic (value-pretrained; = VC-PPO w/o decoupled GAE)",
+    "ppo_bias+1": "PPO 0.95/0.95, calibrated critic + 1 (optimistic)",
+    "ppo_bias-1": "PPO 0.95/0.95, calibrated critic - 1 (pessimistic)",
+    "ppo_bias-2": "PPO 0.95/0.95, calibrated critic - 2 (pessimistic)",
+    "vcppo": "VC-PPO 0.95/1.0, value-pretrained critic",
+    "vcppo_rm_critic": "VC-PPO 0.95/1.0 w/o value pretraining (critic = the reward model)",
+    "vcppo_bias-2": "VC-PPO 0.95/1.0, calibrated critic - 2",
+    "grpo": METHODS["grpo"],
+    "vcppo_la0.9": METHODS["vcppo_la0.9"], "vcppo_la0.99": METHODS["vcppo_la0.99"],
+    "vcppo_la1.0": METHODS["vcppo_la1.0"],
+}
+BIAS_MAP = {"ppo_bias-2": -2.0, "ppo_bias-1": -1.0, "vcppo_no_dgae": 0.0, "ppo_bias+1": 1.0}
+MECHANISM_KEYS = {"pass@1": "eval/pass@1", "response_length": "eval/response_length_mean",
+                  "direct_fraction": "eval/direct_fraction"}
+# Read at the first RL step (the initial critic on the first rollout) and averaged over the first steps.
+EARLY_STEPS = 5
+
+
+def first_sustained_step(records: Records, keys: Sequence[str], window: int, condition) -> int | None:
+    """The first RL step at which `condition(*values of keys)` held for `window` consecutive steps that logged all
+    `keys` (when a warning with that rule would be printed), or None."""
+    run = 0
+    for r in records:
+        values = [r.get(k) for k in keys]
+        if any(v is None for v in values):
+            continue
+        run = run + 1 if condition(*values) else 0
+        if run >= window:
+            return int(r["step"])
+    return None
+
+
+def mechanism_table(tree: Tree) -> dict[str, Any]:
+    """Per arm and seed: greedy pass@1, mean response length and direct-answer fraction at step 0 (the SFT policy)
+    and at the last evaluation; the initial critic's error against the Monte-Carlo return at the first token and
+    over the response (step 1); the advantage-length correlation over the first `EARLY_STEPS` steps; the sampled
+    response length over the first and last `EARLY_STEPS` steps. Per arm: mean and std over seeds."""
+    arms = {}
+    for method, label in MECHANISM_METHODS.items():
+        per_seed = {}
+        for seed, records in sorted(tree.get(method, {}).items()):
+            row = step0_and_last(records, MECHANISM_KEYS)
+            # Every evaluation: a collapse can be transient (the critic recalibrates), so the path matters.
+            row["evals"] = {str(r["step"]): {name: r[key] for name, key in MECHANISM_KEYS.items() if key in r}
+                            for r in records if "eval/pass@1" in r}
+            row["value_err_first_step1"] = at_first_rl_step(records, "diag/value_err_first")
+            row["value_step1_first"] = at_first_rl_step(records, "diag/value_pos00")
+            row["reward_mean_step1"] = at_first_rl_step(records, "rollout/reward_mean")
+            row["warning_step"] = first_sustained_step(
+                records, ("diag/adv_length_corr", "diag/value_err_first"), COLLAPSE_WINDOW,
+                lambda corr, err: corr < COLLAPSE_CORR and err < COLLAPSE_VALUE_ERR)
+            # Each signal alone (the rule's threshold for 3 steps): why the warning needs both.
+            row["corr_only_warning_step"] = first_sustained_step(records, ("diag/adv_length_corr",), COLLAPSE_WINDOW,
+                                                                 lambda corr: corr < COLLAPSE_CORR)
+            # The rule the project used before (early-token advantage bias > 0.3 for 5 steps), for comparison.
+            row["early_bias_warning_step"] = first_sustained_step(records, ("diag/adv_early_bias",), 5,
+                                                                  lambda bias: bias > 0.3)
+            row["adv_length_corr_first"] = steps_mean(records, "diag/adv_length_corr", EARLY_STEPS, last=False)
+            row["adv_early_bias_first"] = steps_mean(records, "diag/adv_early_bias", EARLY_STEPS, last=False)
+            row["sampled_length_first"] = steps_mean(records, "rollout/response_length_mean", EARLY_STEPS, last=False)
+            row["sampled_length_last"] = steps_mean(records, "rollout/response_length_mean", EARLY_STEPS)
+            per_seed[str(seed)] = {k: v for k, v in row.items() if v is not None}
+        if not per_seed:
+            continue
+        keys = sorted({k for r in per_seed.values() for k in r if k not in ("last_step", "evals")})
+        steps = sorted({int(st) for r in per_seed.values() for st in r["evals"]})
+        eval_means = {str(st): {name: float(np.mean(v)) for name in MECHANISM_KEYS
+                                for v in [[r["evals"][str(st)][name] for r in per_seed.values()
+                                           if name in r["evals"].get(str(st), {})]] if v}
+                      for st in steps}
+        arms[method] = {"label": label, "per_seed": per_seed, "eval_means": eval_means,
+                        "mean": {k: _stats([r[k] for r in per_seed.values() if k in r]) for k in keys}}
+    return {"arms": arms, "paper": {m: PAPER[m] for m in PAPER if m in MECHANISM_METHODS}, "note": PAPER_NOTE,
+            "columns": "greedy pass@1 (fraction), mean response length (tokens) and direct-answer fraction on the "
+                       "first eval_prompts test problems at step 0 (the SFT policy) and at the last evaluation; "
+                       "value_err_first_step1: the initial critic's value minus the Monte-Carlo return at each "
+                       "response's first token on the first rollout (< 0: pessimistic); adv_length_corr_first: "
+                       f"the within-outcome correlation of first-token advantage and length over the first "
+                       f"{EARLY_STEPS} steps (< 0: the advantages favour short responses); sampled_length_first / "
+                       f"_last: training-rollout length over the first / last {EARLY_STEPS} steps; warning_step: the "
+                       f"step at which the collapse warning fires (adv_length_corr < {COLLAPSE_CORR} and "
+                       f"value_err_first < {COLLAPSE_VALUE_ERR} for {COLLAPSE_WINDOW} steps in a row), "
+                       "corr_only_warning_step: when the correlation alone would have, early_bias_warning_step: "
+                       "when the earlier rule (early-token advantage bias > 0.3 for 5 steps) would have; absent: "
+                       "never"}
+
+
+def mechanism_markdown(table: dict[str, Any]) -> str:
+    lines = ["# The mechanism study: arms, step 0 -> last evaluation (mean ± std over seeds)", "",
+             table["columns"] + ".", "",
+             "| arm | seeds | greedy pass@1 (%) | greedy length | direct answers (%) | sampled length "
+             "| critic error at token 0, step 1 | adv-length corr, first steps | collapse warning at step (per seed) "
+             "| correlation alone | old early-bias rule | paper (AIME %, 32B) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    path = ["", "## Every evaluation (mean over seeds)", "",
+            "| arm | steps | greedy pass@1 (%) | greedy length | direct answers (%) |", "|---|---|---|---|---|"]
+    for method, entry in table["arms"].items():
+        m = entry["mean"]
+        arrow = lambda name, scale=1.0, d=1: (f"{_fmt(m.get(name + '_step0'), scale, d)} -> "  # noqa: E731
+                                              f"{_fmt(m.get(name + '_last'), scale, d)}")
+        paper = " · ".join(f"{t} {v:.1f}" for t, v in table["paper"].get(method, {}).items()) or "-"
+        warned = lambda name: " · ".join(str(r.get(name, "never")) for r in entry["per_seed"].values())  # noqa: E731
+        lines.append(f"| {entry['label']} | {len(entry['per_seed'])} | {arrow('pass@1', 100)} "
+                     f"| {arrow('response_length')} | {arrow('direct_fraction', 100, 0)} "
+                     f"| {_fmt(m.get('sampled_length_first'))} -> {_fmt(m.get('sampled_length_last'))} "
+                     f"| {_fmt(m.get('value_err_first_step1'), digits=2)} "
+                     f"| {_fmt(m.get('adv_length_corr_first'), digits=2)} "
+                     f"| {warned('warning_step')} | {warned('corr_only_warning_step')} "
+                     f"| {warned('early_bias_warning_step')} | {paper} |")
+        means = entry["eval_means"]
+        cells = lambda name, scale, d: " · ".join(  # noqa: E731
+            f"{v[name] * scale:.{d}f}" if name in v else "-" for v in means.values())
+        path.append(f"| {entry['label']} | {' · '.join(means)} | {cells('pass@1', 100, 1)} "
+                    f"| {cells('response_length', 1, 1)} | {cells('direct_fraction', 100, 0)} |")
+    return "\n".join(lines + path + ["", table["note"], ""])
+
+
+def _arm_color(method: str) -> str:
+    return f"C{list(MECHANISM_METHODS).index(method) % 10}"
+
+
+def plot_mechanism(tree: Tree, path: pathlib.Path, methods: Sequence[str], title: str) -> pathlib.Path | None:
+    """Greedy length, greedy pass@1, sampled length and the advantage-length correlation vs RL step."""
+    present = [m for m in methods if tree.get(m)]
+    if not present:
+        return None
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
+    panels = [("eval/response_length_mean", 1, "tokens", "(a) greedy response length (test prompts)"),
+              ("eval/pass@1", 1, "greedy pass@1", "(b) test accuracy, greedy"),
+              ("rollout/response_length_mean", SMOOTH, "tokens",
+               f"(c) sampled length of the training rollouts ({SMOOTH}-step trailing mean)"),
+              ("diag/adv_length_corr", SMOOTH, "correlation",
+               f"(d) first-token advantage vs length, within outcome ({SMOOTH}-step mean)")]
+    for ax, (key, smooth, ylabel, sub) in zip(axes.flat, panels):
+        for m in present:
+            _band(ax, tree[m], key, MECHANISM_METHODS[m], _arm_color(m), smooth=smooth)
+        ax.set(xlabel="RL step", ylabel=ylabel, title=sub)
+    axes[1, 1].axhline(0.0, color="k", lw=0.5)
+    return _save(fig, list(axes.flat), path, f"{title} -- mean ± std over seeds (tiny model, synthetic task)",
+                 legend_below=True)
+
+
+def plot_critic_error(tree: Tree, path: pathlib.Path, response_len: int | None) -> pathlib.Path | None:
+    """(a) the initial critic's value minus the Monte-Carlo return by position at step 1 (paper Fig. 2, as an
+    error); (b) the error at the first token over RL steps: how fast each critic calibrates."""
+    present = [m for m in MECHANISM_METHODS if tree.get(m) and m not in ("grpo",) and not m.startswith("vcppo_la")]
+    if not present:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(13, 6))
+    for m in present:
+        mean, std = position_profile(tree[m], "diag/value_err_pos")
+        if mean.size:
+            x = np.arange(mean.size) * (response_len / mean.size) if response_len else np.arange(mean.size)
+            axes[0].errorbar(x, mean, yerr=std, color=_arm_color(m), marker="o", ms=3, capsize=2,
+                             label=MECHANISM_METHODS[m])
+        _band(axes[1], tree[m], "diag/value_err_first", MECHANISM_METHODS[m], _arm_color(m), smooth=SMOOTH)
+    axes[0].set(xlabel="response token position (bucket start)" if response_len else "position bucket",
+                ylabel="V(s_t) - Monte-Carlo return",
+                title="(a) initial critic error by position, step 1 (arms from one critic overlap)")
+    axes[1].set(xlabel="RL step", ylabel="V(s_0) - Monte-Carlo return",
+                title=f"(b) critic error at the first token during RL ({SMOOTH}-step mean)")
+    return _save(fig, list(axes), path, "Critic calibration against the Monte-Carlo return", zero_line=True,
+                 legend_below=True)
+
+
+def plot_bias_map(table: dict[str, Any], path: pathlib.Path, mid_step: int = 20) -> pathlib.Path | None:
+    """Change in greedy response length and pass@1 from step 0 vs PPO's initial critic bias, at `mid_step` (where
+    a collapse shows: the critic has not yet recalibrated) and at the last evaluation."""
+    pts = [(bias, table["arms"][m]["per_seed"]) for m, bias in BIAS_MAP.items() if m in table["arms"]]
+    if len(pts) < 2:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for ax, name, ylabel in ((axes[0], "response_length", "greedy length - step 0 (tokens)"),
+                             (axes[1], "pass@1", "greedy pass@1 - step 0")):
+        for j, (when, color, dx) in enumerate(((str(mid_step), "C3", -0.06), ("last", "C0", 0.06))):
+            for i, (bias, per_seed) in enumerate(pts):
+                d = []
+                for r in per_seed.values():
+                    at = r["evals"].get(when, {}) if when != "last" else {name: r.get(f"{name}_last")}
+                    if at.get(name) is not None and f"{name}_step0" in r:
+                        d.append(at[name] - r[f"{name}_step0"])
+                label = (f"step {when}" if when != "last" else "last evaluation") if i == 0 else None
+                ax.scatter([bias + dx] * len(d), d, color=color, s=18, label=label)
+                if d:
+                    ax.scatter([bias + dx], [np.mean(d)], color=color, marker="_", s=400)
+        ax.set(xlabel="initial critic bias (added to the value-pretrained critic)", ylabel=ylabel, title=ylabel)
+    return _save(fig, list(axes), path, "PPO (lambda 0.95/0.95): the initial critic bias map (dots: seeds, bars: "
+                 "means)", zero_line=True)
+
+
+def make_mechanism_report(out_dir: str | pathlib.Path, results_dir: str | pathlib.Path) -> list[pathlib.Path]:
+    """mechanism.json, mechanism.md and the mechanism figures from a `reproduce.py --mechanism` tree."""
+    out_dir, results_dir = pathlib.Path(out_dir), pathlib.Path(results_dir)
+    response_len = None
+    if (out_dir / "study.json").is_file():
+        response_len = json.loads((out_dir / "study.json").read_text()).get("max_response_len")
+    tree = load_tree(out_dir)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    table = mechanism_table(tree)
+    js, md = write_json_and_markdown(table, mechanism_markdown(table), results_dir, "mechanism")
+    sweep = ("vcppo_la0.9", "vcppo", "vcppo_la0.99", "vcppo_la1.0")
+    written = [
+        plot_mechanism(tree, results_dir / "fig_mechanism.png",
+                       ("ppo", "ppo_bias-2", "vcppo_no_dgae", "ppo_bias+1", "vcppo", "vcppo_rm_critic",
+                        "vcppo_bias-2", "grpo"), "Length, accuracy and the collapse signal per critic (paper Fig. 1)"),
+        plot_mechanism(tree, results_dir / "fig_mechanism_lambda_actor.png", sweep,
+                       "VC-PPO lambda_actor sweep (paper Table 4)") if sum(bool(tree.get(m)) for m in sweep) > 1
+        else None,
+        plot_critic_error(tree, results_dir / "fig_mechanism_critic_error.png", response_len),
+        plot_bias_map(table, results_dir / "fig_mechanism_bias_map.png"),
+        plot_value_pretraining(tree, results_dir / "fig_mechanism_value_pretraining.png"),
+    ]
+    return [p for p in written if p is not None] + [js, md]
 
 
 def make_runs_report(runs: dict[str, str | pathlib.Path], results_dir: str | pathlib.Path, name: str,
@@ -560,10 +811,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", default="runs/reproduce", help="the study's run directory")
     parser.add_argument("--results", default=str(pathlib.Path(__file__).resolve().parent / "results"),
                         help="where figures and tables go")
+    reports = {"study": make_report, "learning": make_learning_report, "mechanism": make_mechanism_report}
+    parser.add_argument("--report", default="study", choices=tuple(reports),
+                        help="which study's figures and tables (reproduce.py's default, --learning, --mechanism)")
     args = parser.parse_args(argv)
     if not pathlib.Path(args.out).is_dir():
         sys.exit(f"error: --out={args.out!r} is not a directory")
-    for path in make_report(args.out, args.results):
+    for path in reports[args.report](args.out, args.results):
         print(path)
 
 

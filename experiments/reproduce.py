@@ -3,6 +3,8 @@
   python experiments/reproduce.py                       # the study: 3 seeds x 8 methods (~2.4 h, 2 CPU cores)
   python experiments/reproduce.py --quick               # ~11 min: 1 seed, 4 methods, a smaller model and task
   python experiments/reproduce.py --learning            # does RL learn: VC-PPO, GRPO, shuffled-reward controls
+  python experiments/reproduce.py --mechanism           # PPO's length collapse under a biased critic: 12 arms x 3 seeds
+  python experiments/reproduce.py --mechanism --quick   # its collapse vs no-collapse contrast, 1 seed (<15 min)
   python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
   python experiments/reproduce.py --only ppo,vcppo --set actor_optim.lr=1e-4 --stages-from runs/reproduce \
       --out runs/reproduce_lr1e-4 --results experiments/results/lr1e-4   # a variant: other RL fields, same stages
@@ -10,7 +12,8 @@
 Methods (configs/<file>.py plus the overrides in `RECIPES`): `ppo` (one lambda 0.95, critic from the outcome reward
 model), `vcppo`, `vcppo_no_vpt` (critic_init='actor'), `vcppo_no_dgae` (value-pretrained critic, lambda_actor =
 lambda_critic = 0.95), `grpo`, and the lambda_actor sweep `vcppo_la0.9`, `vcppo_la0.99`, `vcppo_la1.0` (its 0.95 point
-is `vcppo`). As in the paper, every method starts from one cold-start policy: a single SFT run (`<out>/sft`, trained
+is `vcppo`); the mechanism study's arms are described beside their entries in `RECIPES` and in the `mechanism`
+profile. As in the paper, every method starts from one cold-start policy: a single SFT run (`<out>/sft`, trained
 with the first seed) is shared by all seeds and methods. Each seed then has its own value-pretraining and reward-model
 run under `<out>/seed<k>/` (their samples and updates depend on the seed), shared by that seed's methods through
 `sft_dir` / `critic_dir`, and its own RL runs; the task data (fixed, seed-independent) lives in `<out>/tfds`.
@@ -64,8 +67,17 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     # from a critic pretrained on the true rewards (README, "Does RL learn?").
     "grpo_shuffled": ("grpo", {"shuffle_rewards": True}),
     "vcppo_shuffled": ("vcppo", {"shuffle_rewards": True}),
+    # The mechanism study: the critic's initial calibration as the factor. In its profile the reward model is the
+    # pessimistic one (trained with truncated responses as failures) and value pretraining starts from it, so `ppo`
+    # is PPO from a pessimistic critic and `vcppo_no_dgae` PPO from a calibrated one (value-pretrained, 0.95/0.95).
+    "vcppo_rm_critic": ("vcppo", {"critic_init": "reward_model"}),  # VC-PPO w/o value pretraining: 0.95/1.0
+    # PPO (0.95/0.95) from the calibrated critic shifted by a constant: the initial-bias map.
+    "ppo_bias-2": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": -2.0}),
+    "ppo_bias-1": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": -1.0}),
+    "ppo_bias+1": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": 1.0}),
+    "vcppo_bias-2": ("vcppo", {"critic_init_bias": -2.0}),  # does lambda_critic 1.0 alone recover in time?
 }
-STAGE_ORDER = ("sft", "value_pretrain", "reward_model")
+STAGE_ORDER = ("sft", "reward_model", "value_pretrain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,10 +88,12 @@ class Profile:
 
     seeds: int
     methods: tuple[str, ...]
-    fields: dict[str, dict[str, Any]]
+    fields: dict[str, dict[str, Any]]  # groups: 'common', 'rl', 'sft', 'value', and a stage name for that stage
     step_scale: float = 1.0
     shared_sft: bool = True  # one SFT policy for every seed (as in the paper); False: each seed trains its own.
-    report: str = "study"  # 'study': the paper's figures and tables; 'learning': learning.json and its curves.
+    # 'study': the paper's figures and tables; 'learning': learning.json and its curves; 'mechanism': mechanism.json
+    # and its figures.
+    report: str = "study"
 
 
 PROFILES = {
@@ -88,8 +102,28 @@ PROFILES = {
     "learning": Profile(seeds=3, methods=("vcppo", "grpo", "vcppo_shuffled", "grpo_shuffled"), fields={},
                         shared_sft=False,
                         report="learning"),
+    # The mechanism study (README, "Why PPO collapses"): the config files' recipe, one shared SFT policy, a
+    # pessimistic reward model (half its training responses cut at a random point and labelled failures) from which
+    # PPO's critic and VC-PPO's value pretraining start, 40 RL steps. Arms: PPO from the pessimistic / calibrated
+    # / optimistic (+1) critic, VC-PPO, VC-PPO without value pretraining, GRPO, the lambda_actor sweep, and PPO's
+    # initial-bias map (-2, -1, 0 = calibrated, +1).
+    "mechanism": Profile(seeds=3, methods=("ppo_bias-2", "vcppo_bias-2", "vcppo_no_dgae", "ppo_bias+1", "ppo", "vcppo",
+                                           "vcppo_rm_critic", "grpo", "ppo_bias-1", "vcppo_la0.9", "vcppo_la0.99",
+                                           "vcppo_la1.0"),
+                         report="mechanism", fields={
+        "rl": {"num_steps": 40, "eval_every": 10, "save_every": 20},
+        "reward_model": {"truncated_fraction": 0.5},
+        "value_pretrain": {"critic_init": "reward_model"},
+    }),
+    # The mechanism study's contrast in one seed: PPO from the calibrated critic - 2 (pessimistic) beside VC-PPO,
+    # 20 RL steps (the pessimistic critic holds PPO in short answers for about that long). Value pretraining starts
+    # from the actor, so no reward model is trained.
+    "mechanism_quick": Profile(seeds=1, methods=("ppo_bias-2", "vcppo"), report="mechanism", fields={
+        "rl": {"num_steps": 20, "eval_every": 10, "save_every": 10},
+    }),
     # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.
-    "full": Profile(seeds=3, methods=tuple(m for m in RECIPES if not m.endswith("_shuffled")), fields={
+    "full": Profile(seeds=3, methods=("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae", "grpo", "vcppo_la0.9",
+                                      "vcppo_la0.99", "vcppo_la1.0"), fields={
         "rl": {"num_steps": 60, "eval_every": 15, "save_every": 30}}),
     # Smaller model and shorter chains of thought (2 two-digit terms); fewer steps. step_scale is a guess (not
     # measured): 2 layers of width 64 over ~90-token sequences vs 4 of width 128 over ~136.
@@ -193,15 +227,21 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
         rl_runs = [rl_config(m, seed, out, profile, rl_set, stages_from) for m in methods]
         stage_cfgs: dict[str, ml_collections.ConfigDict] = {}
         for c in rl_runs:
-            for stage, workdir in stages.prerequisites(c):
+            todo = list(stages.prerequisites(c))
+            while todo:  # a stage's own prerequisites too (value pretraining may start from the reward model)
+                stage, workdir = todo.pop(0)
                 if stages_from is not None:
                     if not stages.stage_done(workdir):
                         raise ValueError(f"--stages-from={stages_from}: no finished {stage} in {workdir}; run that "
                                          "study first")
                 elif stage not in stage_cfgs and workdir not in planned:
-                    group = "sft" if stage == "sft" else "value"
-                    stage_cfgs[stage] = config_lib.validate(
-                        _apply(stages.derived_config(c, stage, workdir), profile.fields.get(group, {})))
+                    sc = stages.derived_config(c, stage, workdir)
+                    _apply(sc, profile.fields.get("sft" if stage == "sft" else "value", {}))
+                    _apply(sc, profile.fields.get(stage, {}))
+                    if stage == "value_pretrain" and sc.critic_init == "reward_model":
+                        sc.critic_dir = str(pathlib.Path(workdir).parent / "reward_model")
+                    stage_cfgs[stage] = config_lib.validate(sc)
+                    todo += stages.prerequisites(sc)
         for stage in STAGE_ORDER:
             if stage in stage_cfgs:
                 sc = stage_cfgs[stage]
@@ -281,6 +321,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--learning", action="store_true",
                    help="does RL learn: the config files' recipe, VC-PPO, GRPO and their shuffled-reward controls, "
                         "3 seeds each with its own SFT (~1.6 h); writes learning.json and its figure")
+    p.add_argument("--mechanism", action="store_true",
+                   help="the mechanism study: PPO's length collapse under a biased critic and VC-PPO's fix, 3 seeds "
+                        "(~2.5 h); with --quick, its one-seed collapse vs no-collapse contrast (<15 min)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-sized wiring check
     p.add_argument("--only", default="", help=f"comma-separated methods out of {','.join(RECIPES)}")
     p.add_argument("--results", default=None,
@@ -302,10 +345,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.rl_set[field] = ast.literal_eval(text)
         except (ValueError, SyntaxError):
             args.rl_set[field] = text  # a bare string, e.g. --set loss_agg=seq-mean-token-mean
-    if args.quick + args.tiny + args.learning > 1:
-        p.error("--quick, --learning and --tiny are exclusive")
+    if args.tiny + args.learning + args.mechanism > 1 or args.quick and (args.tiny or args.learning):
+        p.error("--learning, --mechanism and --tiny are exclusive, and --quick goes alone or with --mechanism")
     if args.out is None:
-        args.out = "runs/learning" if args.learning else "runs/reproduce"
+        args.out = ("runs/learning" if args.learning else "runs/mechanism_quick" if args.mechanism and args.quick
+                    else "runs/mechanism" if args.mechanism else "runs/reproduce")
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds={args.seeds} must be >= 1")
     return args
@@ -313,7 +357,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    name = "tiny" if args.tiny else "quick" if args.quick else "learning" if args.learning else "full"
+    name = ("tiny" if args.tiny else "mechanism_quick" if args.mechanism and args.quick else "quick" if args.quick
+            else "learning" if args.learning else "mechanism" if args.mechanism else "full")
     profile = PROFILES[name]
     out = pathlib.Path(args.out).resolve()
     methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)
@@ -324,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         sys.exit(f"error: {e}")
     results = (pathlib.Path(args.results) if args.results
-               else RESULTS_DIR if name in ("full", "learning") else out / "results")
+               else RESULTS_DIR if name in ("full", "learning", "mechanism") else out / "results")
 
     pending = [r for r in plan if _status(r) == "pending"]
     total = sum(estimate_seconds(r, profile.step_scale) for r in pending)
@@ -351,7 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     bad, stopped = run_plan(plan, profile.step_scale)
     print(f"[reproduce] runs finished in {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
-    report = plot_results.make_learning_report if profile.report == "learning" else plot_results.make_report
+    report = {"learning": plot_results.make_learning_report, "mechanism": plot_results.make_mechanism_report,
+              "study": plot_results.make_report}[profile.report]
     for path in report(out, results):
         print(f"[reproduce] wrote {path}")
     if bad:

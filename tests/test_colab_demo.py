@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot is first imported (the notebook imports it)
 
 import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from vcppo_jax.metrics import read_metrics  # noqa: E402
@@ -57,13 +58,16 @@ def test_notebook_runs_tiny_on_cpu(tmp_path, monkeypatch):
     assert ns["IN_COLAB"] is False and ns["DEMO_SIZE"] == "tiny"
     config = ns["config"]
     assert config.mesh.data == -1 and config.workdir == str(workdir / "vcppo")
-    for stage in ("sft", "value_pretrain", "vcppo"):
+    for stage in ("sft", "value_pretrain", "vcppo", "ppo_pessimistic"):
         assert (workdir / stage / "metrics.jsonl").exists(), stage
+    ppo_config = ns["ppo_config"]
+    assert (ppo_config.algorithm, ppo_config.lambda_critic, ppo_config.critic_init_bias) == ("ppo", 0.95, -2.0)
+    assert ppo_config.critic_dir == config.critic_dir and ppo_config.sft_dir == config.sft_dir
 
     rl = [r for r in read_metrics(workdir / "vcppo") if "rollout/response_length_mean" in r]
     assert [r["step"] for r in rl] == list(range(1, config.num_steps + 1))
-    for key in ("rollout/accuracy", "value/explained_var", "diag/value_pos00", "diag/adv_pos00",
-                f"diag/adv_pos{config.diag_buckets - 1:02d}"):
+    for key in ("rollout/accuracy", "value/explained_var", "diag/value_err_pos00", "diag/adv_pos00",
+                "diag/adv_length_corr", f"diag/adv_pos{config.diag_buckets - 1:02d}"):
         assert key in rl[0], key
 
     fig = ns["fig"]
@@ -73,8 +77,12 @@ def test_notebook_runs_tiny_on_cpu(tmp_path, monkeypatch):
     length_line = axes[0].get_lines()[0]
     assert list(length_line.get_xdata()) == [r["step"] for r in rl]
     assert list(length_line.get_ydata()) == pytest.approx([r["rollout/response_length_mean"] for r in rl])
-    value_line, adv_line = axes[3].get_lines()[:2]
+    err_line, adv_line, ppo_err_line = axes[3].get_lines()[:3]
     want_adv = [rl[0][f"diag/adv_pos{i:02d}"] for i in range(config.diag_buckets)]
     assert list(adv_line.get_ydata()) == pytest.approx(want_adv)
-    assert len(value_line.get_ydata()) == config.diag_buckets
+    # Same seed, SFT policy and critic checkpoint: the first rollouts are the same, and PPO's critic is VC-PPO's
+    # shifted by -2 at every position that holds tokens.
+    err, ppo_err = np.asarray(err_line.get_ydata()), np.asarray(ppo_err_line.get_ydata())
+    seen = [rl[0][f"diag/tokens_pos{i:02d}"] > 0 for i in range(config.diag_buckets)]
+    np.testing.assert_allclose(ppo_err[seen], err[seen] - 2.0, atol=1e-4)
     plt.close(fig)

@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from vcppo_jax import config as config_lib
+from vcppo_jax import stages
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
@@ -95,12 +96,79 @@ def test_train_cli_overrides_and_rejects():
     assert "config.lambda_actor=1.5 is invalid" in out.stderr + out.stdout
 
 
-def test_grpo_has_no_critic_bias_and_sft_late_phase_is_checked():
-    c = load("grpo")
-    c.critic_init_bias = -1.0
-    with pytest.raises(config_lib.ConfigError, match="critic_init_bias=-1.0 .*GRPO"):
+def assert_rejected(name: str, field: str, value, match: str) -> None:
+    """configs/<name>.py with `field` set to `value` fails validation with a message matching `match`."""
+    c = load(name)
+    c[field] = value
+    with pytest.raises(config_lib.ConfigError, match=match):
         config_lib.validate(c)
-    sft = load("sft")
-    sft.late_direct_fraction = 1.5
-    with pytest.raises(config_lib.ConfigError, match="late_direct_fraction"):
-        config_lib.validate(sft)
+
+
+def test_grpo_has_no_critic_bias_and_sft_late_phase_is_checked():
+    assert_rejected("grpo", "critic_init_bias", -1.0, "critic_init_bias=-1.0 .*GRPO")
+    assert_rejected("sft", "late_direct_fraction", 1.5, "late_direct_fraction")
+
+
+def test_truncated_fraction_is_the_reward_models_and_reaches_it_through_stage_overrides():
+    assert load("reward_model").truncated_fraction == 0.0
+    for bad in (1.0, -0.1):
+        assert_rejected("reward_model", "truncated_fraction", bad, "truncated_fraction")
+    assert_rejected("value_pretrain", "truncated_fraction", 0.5, "truncated_fraction=0.5 .*value pretraining")
+    ppo = load("ppo")
+    ppo.stage_overrides.reward_model.truncated_fraction = 0.5
+    derived = stages.derived_config(ppo, "reward_model", "/tmp/rm")
+    assert derived.truncated_fraction == 0.5 and derived.stage == "reward_model"
+    assert stages.derived_config(load("ppo"), "reward_model", "/tmp/rm").truncated_fraction == 0.0
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 5), ("top_p", 0.9)])
+def test_rl_rejects_filtered_sampling_that_would_be_off_policy(field, value):
+    for name in ("vcppo", "ppo", "grpo"):
+        c = load(name)
+        c.sampling[field] = value
+        with pytest.raises(config_lib.ConfigError, match=rf"sampling.{field}={value} .*off-policy"):
+            config_lib.validate(c)
+    vpt = load("value_pretrain")  # the critic stages have no ratio: they may sample filtered
+    vpt.sampling[field] = value
+    config_lib.validate(vpt)
+
+
+def test_every_implemented_choice_is_selectable():
+    """The allowed lists are the implementing modules' own: a mode added there is selectable here (Dr. GRPO's
+    'seq-mean-token-sum-norm' was implemented in losses.py but rejected by an older copy of the list)."""
+    from vcppo_jax import losses, rewards  # noqa: PLC0415
+
+    for mode in losses.AGG_MODES:
+        c = load("grpo")
+        c.loss_agg = mode
+        config_lib.validate(c)
+    for kind in losses.KL_KINDS:
+        c = load("grpo")
+        c.kl_estimator = kind
+        config_lib.validate(c)
+    assert config_lib.TASKS is rewards.TASKS
+    import vcppo_jax.data as data  # noqa: PLC0415
+
+    assert data.TASKS is rewards.TASKS
+
+
+def test_quiet_console_hides_library_chatter_not_our_warnings(caplog, monkeypatch):
+    import logging  # noqa: PLC0415
+
+    from absl import logging as absl_logging  # noqa: PLC0415
+    from vcppo_jax import runtime  # noqa: PLC0415
+
+    root, absl = logging.getLogger(), logging.getLogger("absl")
+    monkeypatch.setattr(root, "level", root.level)  # restored after the test
+    monkeypatch.setattr(absl, "level", absl.level)
+    root.setLevel(logging.INFO)
+    absl.setLevel(logging.NOTSET)
+    runtime.configure_console(verbose=True)
+    assert (root.level, absl.level) == (logging.INFO, logging.NOTSET)  # verbose: untouched
+    runtime.configure_console(verbose=False)
+    with caplog.at_level(logging.NOTSET, logger="some.library"):
+        absl_logging.warning("CheckpointManagerOptions.read_only=True, setting save_interval_steps=0.")
+        logging.getLogger("jax._src.xla_bridge").info("Unable to initialize backend 'tpu'")
+        logging.warning("checkpoint step 3 is unreadable; falling back")  # this project's: root logger
+    assert "read_only" not in caplog.text and "backend" not in caplog.text
+    assert "checkpoint step 3 is unreadable" in caplog.text

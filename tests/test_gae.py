@@ -1,5 +1,6 @@
 """GAE against plain numpy loops, closed forms and invariances (padding, masking, vmap)."""
 
+import contextlib
 import functools
 
 import hypothesis
@@ -87,6 +88,22 @@ def test_garbage_padding_changes_nothing(impl):
     np.testing.assert_allclose(pad_adv[:, :T], adv, **TOL)
     np.testing.assert_allclose(pad_ret[:, :T], ret, **TOL)
     assert np.all(np.asarray(pad_adv)[~pad_m] == 0) and np.all(np.asarray(pad_ret)[~pad_m] == 0)
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_nan_and_inf_padding_never_reach_valid_steps(impl, jit):
+    """Non-finite rewards / values on padded positions (e.g. a value head run past the end) change nothing, with and
+    without jit: XLA may simplify `x * 0` away under jit, eager execution does not."""
+    rewards, values, mask = random_batch(seed=4)
+    bad_r = np.where(mask, rewards, np.nan).astype(np.float32)
+    bad_v = np.where(mask, values, np.inf).astype(np.float32)
+    want = gae(rewards, values, mask, gamma=0.97, lam=0.9, impl=impl)
+    with (contextlib.nullcontext() if jit else jax.disable_jit()):
+        got = decoupled_gae(bad_r, bad_v, mask, gamma=0.97, lambda_actor=0.9, lambda_critic=0.9, impl=impl)
+    for g, w in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, w, **TOL)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

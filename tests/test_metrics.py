@@ -1,4 +1,4 @@
-"""MetricWriter round trip, bucket means and early-token bias against numpy loops."""
+"""MetricWriter round trip, bucket means, early-token bias and the advantage-length correlation against numpy loops."""
 
 import glob
 import json
@@ -113,13 +113,54 @@ def test_early_token_bias_vs_numpy():
         mt.early_token_bias(jnp.ones((2, 4)), jnp.ones((2, 4)), early_tokens=0)
 
 
-def test_collapse_warning_rule():
-    assert mt.collapse_warning([0.7] * 4, 0.3, window=5) is None  # not enough history
-    assert mt.collapse_warning([0.7, 0.7, 0.1, 0.7, 0.7, 0.7], 0.3, window=5) is None  # one dip resets
-    msg = mt.collapse_warning([0.0, 0.6, 0.7, 0.8, 0.7, 0.7], 0.3, window=5)
-    assert msg is not None and "latest +0.700" in msg and "Fig. 2" in msg
-    assert mt.collapse_warning([0.7] * 4 + [float("nan")], 0.3, window=5) is None
-    assert mt.collapse_warning([-0.7] * 5, 0.3, window=5) is None  # negative bias is not the signature
+def _np_adv_length_corr(adv, mask, seq):
+    lengths = mask.sum(1)
+    rows = [b for b in range(len(lengths)) if lengths[b] > 0]
+    a = np.array([adv[b, 0] for b in rows], np.float64)
+    n = np.array([lengths[b] for b in rows], np.float64)
+    won = np.array([seq[b] > 0 for b in rows])
+    for cls in (won, ~won):
+        if cls.any():
+            a[cls] -= a[cls].mean()
+            n[cls] -= n[cls].mean()
+    return float((a * n).sum() / np.sqrt((a * a).sum() * (n * n).sum()))
+
+
+def test_advantage_length_corr_vs_numpy_and_signs():
+    rng = np.random.default_rng(4)
+    mask, lengths = _random_mask(rng, 12, 10)
+    seq = np.where(rng.uniform(size=12) < 0.5, 1.0, -1.0).astype(np.float32)
+    adv = rng.normal(size=(12, 10)).astype(np.float32)
+    got = jax.jit(mt.advantage_length_corr)(adv, mask, seq)
+    np.testing.assert_allclose(float(got), _np_adv_length_corr(adv, mask, seq), rtol=1e-5, atol=1e-6)
+    # A constant pessimistic critic (V = -2) with lambda 0.95: A_0 = 0.95^(T-1) (r + 2), so within each outcome the
+    # shorter response's first token gets more: negative. An optimistic one (V = +2): positive.
+    for v, sign in ((-2.0, -1), (2.0, 1)):
+        a0 = np.where(lengths > 0, 0.95 ** (np.maximum(lengths, 1) - 1) * (seq - v), 0.0).astype(np.float32)
+        adv = np.zeros((12, 10), np.float32)
+        adv[:, 0] = a0
+        assert sign * float(mt.advantage_length_corr(adv, mask, seq)) > 0.5
+    # GRPO-like: the advantage is a function of the outcome alone, so nothing is left within outcome.
+    adv = np.repeat(np.where(seq > 0, 0.7, -0.4)[:, None], 10, 1).astype(np.float32)
+    assert abs(float(mt.advantage_length_corr(adv, mask, seq))) < 1e-6
+    with pytest.raises(ValueError, match=r"must be \[batch, time\]"):
+        mt.advantage_length_corr(jnp.ones((2, 4)), jnp.ones((2, 4)), jnp.ones(3))
+
+
+def test_collapse_warning_needs_both_signals_for_the_window():
+    bad_corr, bad_err = [-0.7] * 3, [-1.0] * 3
+    msg = mt.collapse_warning([0.2] + bad_corr, [0.0] + bad_err)
+    assert msg is not None and "-0.70" in msg and "-1.00" in msg and "Fig. 1-2" in msg
+    assert mt.collapse_warning(bad_corr[:2], bad_err[:2]) is None  # not enough history
+    assert mt.collapse_warning(bad_corr, [-1.0, 0.0, -1.0]) is None  # calibrated critic on one step resets
+    assert mt.collapse_warning([-0.7, 0.1, -0.7], bad_err) is None  # a correlation swing resets
+    assert mt.collapse_warning(bad_corr, [0.0] * 3) is None  # short preference from a calibrated critic
+    assert mt.collapse_warning([0.7] * 3, bad_err) is None  # pessimistic but favouring long responses
+    assert mt.collapse_warning(bad_corr, [-1.0, -1.0, float("nan")]) is None
+    assert mt.collapse_warning([-0.5] * 3, [-0.5] * 3, corr_threshold=-0.6) is None  # thresholds are used
+    assert mt.collapse_warning([-0.5] * 4, [-0.5] * 4, window=4) is not None
+    with pytest.raises(ValueError, match="window=0"):
+        mt.collapse_warning([-1.0], [-1.0], window=0)
 
 
 def test_response_length_stats_vs_numpy():
@@ -145,3 +186,14 @@ def test_timer_sections_and_throughput():
     assert 0 < out["perf/rollout_s"] <= out["perf/step_time_s"]
     assert out["perf/tokens_per_s"] == pytest.approx(1000 / out["perf/step_time_s"])
     assert "perf/rollout_s" not in timer.summary()  # reset per step
+
+
+def test_tensorboard_tags_are_legal_and_writing_logs_nothing(tmp_path, caplog):
+    assert mt.tensorboard_tag("eval/pass@1") == "eval/pass_1"
+    assert mt.tensorboard_tag("/policy/approx_kl") == "policy/approx_kl"
+    import logging  # noqa: PLC0415
+
+    with caplog.at_level(logging.DEBUG), mt.MetricWriter(tmp_path) as w:
+        w.write(1, {"eval/pass@1": 0.5, "hist@x": np.arange(3.0)})
+    assert "illegal" not in caplog.text
+    assert json.loads(open(tmp_path / mt.METRICS_FILE).read())["eval/pass@1"] == 0.5  # JSONL keeps the name

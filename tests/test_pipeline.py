@@ -325,6 +325,68 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(root, runs, caplog):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Provenance: a finished stage built for another run is never used silently.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_each_stage_records_what_it_was_built_from(runs):
+    config, _ = runs["vcppo"]
+    sft, vpt, rl = (ckpt_lib.read_meta(d)["provenance"] for d in (config.sft_dir, config.critic_dir, config.workdir))
+    assert sft["upstream"] == {} and len({sft["run_id"], vpt["run_id"], rl["run_id"]}) == 3
+    assert vpt["upstream"] == {"sft": sft["run_id"]}
+    assert rl["upstream"] == {"sft": sft["run_id"], "value_pretrain": vpt["run_id"]}
+    assert rl["settings"] == sft["settings"] == stages.settings(config)
+    assert ckpt_lib.read_meta(config.workdir, step=1)["provenance"] == rl  # the same run id at every step
+
+
+@pytest.fixture(scope="module")
+def other_sft(root, runs):
+    """A second SFT run of the same settings: same data and model, another run id."""
+    sft = stages.derived_config(runs["vcppo"][0], "sft", str(root / "sft_other"))
+    run_sft(sft)
+    return sft.workdir
+
+
+def test_critic_of_another_sft_policy_is_refused_or_rebuilt(root, runs, other_sft):
+    """A value-pretrained critic fit on samples of SFT run A, used with SFT run B: without run_missing_stages an
+    error naming both before anything runs; with it, the critic is moved aside (kept) and value pretraining reruns
+    on B's samples."""
+    config, _ = runs["vcppo"]
+    critic = root / "critic_of_a"
+    shutil.copytree(config.critic_dir, critic)
+    ids = {d: ckpt_lib.read_meta(d)["provenance"]["run_id"] for d in (config.sft_dir, other_sft)}
+    rl = with_fields(config, workdir=root / "vcppo_on_b", sft_dir=other_sft, critic_dir=critic,
+                     run_missing_stages=False)
+    with pytest.raises(ValueError, match=rf"value_pretrain in {critic} was not built for this run: it was built "
+                                         rf"from sft run {ids[config.sft_dir]}, but {other_sft} holds run "
+                                         rf"{ids[other_sft]}"):
+        stages.run_stage(rl)
+    assert not (root / "vcppo_on_b").exists() and stages.stage_done(str(critic))
+    stages.run_stage(with_fields(rl, run_missing_stages=True))
+    moved = root / "critic_of_a.stale-{}".format(ckpt_lib.read_meta(config.critic_dir)["provenance"]["run_id"])
+    assert stages.stage_done(str(moved))  # the stale critic is kept, not deleted
+    assert ckpt_lib.read_meta(critic)["provenance"]["upstream"] == {"sft": ids[other_sft]}
+    assert ckpt_lib.read_meta(root / "vcppo_on_b")["provenance"]["upstream"]["sft"] == ids[other_sft]
+
+
+def test_changed_task_settings_make_finished_stages_stale(root, runs):
+    config, _ = runs["grpo"]
+    changed = with_fields(config, workdir=root / "grpo_new_task", run_missing_stages=False)
+    changed.task.knobs.num_test = KNOBS["num_test"] + 8
+    with pytest.raises(ValueError, match=r"sft in .* was not built for this run: its task settings .*num_test"):
+        stages.run_stage(changed)
+
+
+def test_resuming_on_another_upstream_run_is_refused(root, runs, other_sft):
+    config, _ = runs["grpo"]
+    workdir = root / "grpo_moved_sft"
+    shutil.copytree(config.workdir, workdir)
+    with pytest.raises(ValueError, match=rf"{workdir} was started from sft run .*, but sft in {other_sft} is now "
+                                         r"run .*: resuming would mix the two"):
+        stages.run_stage(with_fields(config, workdir=workdir, sft_dir=other_sft))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Bad input fails before anything compiles.
 # ---------------------------------------------------------------------------------------------------------------
 

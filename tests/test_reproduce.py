@@ -173,12 +173,13 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
     methods = list(reproduce.PROFILES["full"].methods)
     plan = reproduce.build_plan(tmp_path, [0, 1], methods, reproduce.PROFILES["full"])
     assert set(methods) == set(plot_results.METHODS)
-    assert set(reproduce.RECIPES) == set(plot_results.METHODS) | set(plot_results.LEARNING_METHODS)
+    assert set(reproduce.RECIPES) == (set(plot_results.METHODS) | set(plot_results.LEARNING_METHODS)
+                                      | set(plot_results.MECHANISM_METHODS))
     per_seed = [[r for r in plan if r.seed == s] for s in (0, 1)]
     sft_dir = str(tmp_path.resolve() / "sft")
     # One SFT for the whole study, planned with the first seed; each seed has its own critic stages.
-    assert [r.name for r in per_seed[0]] == ["sft", "value_pretrain", "reward_model", *methods]
-    assert [r.name for r in per_seed[1]] == ["value_pretrain", "reward_model", *methods]
+    assert [r.name for r in per_seed[0]] == ["sft", "reward_model", "value_pretrain", *methods]
+    assert [r.name for r in per_seed[1]] == ["reward_model", "value_pretrain", *methods]
     assert [r.workdir for r in plan if r.name == "sft"] == [sft_dir]
     for seed, runs in zip((0, 1), per_seed):
         by = {r.name: r.config for r in runs}
@@ -205,6 +206,88 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
     qplan = reproduce.build_plan(tmp_path, [0], list(quick.methods), quick)
     assert sum(reproduce.estimate_seconds(r, quick.step_scale) for r in qplan) < 12 * 60
     assert {r.config.model.hidden_size for r in qplan} == {64}  # profile sizes reach the derived stages too
+
+
+def test_mechanism_plan_pessimistic_reward_model_feeds_value_pretraining_and_the_arms(tmp_path):
+    profile = reproduce.PROFILES["mechanism"]
+    assert set(profile.methods) <= set(plot_results.MECHANISM_METHODS)
+    plan = reproduce.build_plan(tmp_path, [0, 1], list(profile.methods), profile)
+    root = tmp_path.resolve()
+    for seed in (0, 1):
+        by = {r.name: r for r in plan if r.seed == seed}
+        rm, vpt = by["reward_model"].config, by["value_pretrain"].config
+        assert rm.truncated_fraction == 0.5 and vpt.truncated_fraction == 0.0
+        # Value pretraining starts from this seed's reward model, which is planned (and run) before it.
+        assert vpt.critic_init == "reward_model" and vpt.critic_dir == rm.workdir == str(root / f"seed{seed}" /
+                                                                                          "reward_model")
+        assert by["value_pretrain"].needs == (str(root / "sft"), rm.workdir)
+        cfg = {m: by[m].config for m in profile.methods}
+        assert cfg["ppo"].critic_dir == rm.workdir and cfg["vcppo_rm_critic"].critic_dir == rm.workdir
+        assert (cfg["vcppo_rm_critic"].lambda_actor, cfg["vcppo_rm_critic"].lambda_critic) == (0.95, 1.0)
+        for m, bias in plot_results.BIAS_MAP.items():  # the bias map: one calibrated critic, shifted
+            assert cfg[m].critic_init_bias == bias and cfg[m].critic_dir == vpt.workdir
+            assert (cfg[m].lambda_actor, cfg[m].lambda_critic) == (0.95, 0.95)
+        assert {c.num_steps for c in cfg.values()} == {40} and {c.actor_optim.lr for c in cfg.values()} == {3e-5}
+    assert [r.name for r in plan].count("sft") == 1
+    position = {r.workdir: i for i, r in enumerate(plan)}
+    assert all(position[w] < position[r.workdir] for r in plan for w in r.needs)
+    full = reproduce.build_plan(tmp_path, [0, 1, 2], list(profile.methods), profile)
+    assert sum(reproduce.estimate_seconds(r) for r in full) < 2.7 * 3600
+
+
+def test_first_sustained_step_is_when_the_warning_rule_would_fire():
+    recs = [{"step": i + 1, "c": v, "e": -1.0} for i, v in enumerate([-0.5, -0.4, 0.1, -0.5, -0.6, None, -0.7, -0.9])]
+    recs[6]["e"] = 0.0
+    below = lambda v: v < -0.3  # noqa: E731
+    assert plot_results.first_sustained_step(recs, ("c",), 2, below) == 2
+    assert plot_results.first_sustained_step(recs, ("c",), 3, below) == 7  # step 6 logged nothing: 4, 5, 7
+    assert plot_results.first_sustained_step(recs, ("c",), 6, below) is None
+    assert plot_results.first_sustained_step(recs, ("missing",), 1, below) is None
+    both = lambda c, e: c < -0.3 and e < -0.3  # noqa: E731
+    assert plot_results.first_sustained_step(recs, ("c", "e"), 2, both) == 2
+    assert plot_results.first_sustained_step(recs, ("c", "e"), 3, both) is None  # step 7's critic error resets
+
+
+def test_mechanism_report_reads_step0_last_and_step1_critic(tmp_path):
+    rng = np.random.default_rng(2)
+    truth = {}
+    for method in ("ppo", "vcppo", "ppo_bias-2", "vcppo_no_dgae"):
+        for seed in (0, 1):
+            with MetricWriter(tmp_path / f"seed{seed}" / method, tensorboard=False) as w:
+                evals = {step: {k: float(rng.uniform()) for k in plot_results.MECHANISM_KEYS.values()}
+                         for step in (0, 5, 10)}
+                train = {step: {"diag/value_err_first": float(rng.normal()), "diag/adv_length_corr":
+                                float(rng.uniform(-1, 1)), "rollout/response_length_mean": float(rng.uniform(10, 60)),
+                                **{f"diag/value_err_pos{i:02d}": float(rng.normal()) for i in range(4)},
+                                **{f"diag/tokens_pos{i:02d}": 5.0 for i in range(4)}} for step in range(1, 11)}
+                for step in range(11):
+                    if step:
+                        w.write(step, train[step])
+                    if step in evals:
+                        w.write(step, evals[step])
+            truth[(method, seed)] = (evals, train)
+    paths = plot_results.make_mechanism_report(tmp_path, tmp_path / "results")
+    assert {p.name for p in paths} >= {"mechanism.json", "mechanism.md", "fig_mechanism.png",
+                                       "fig_mechanism_critic_error.png", "fig_mechanism_bias_map.png"}
+    table = json.loads((tmp_path / "results" / "mechanism.json").read_text())
+    for (method, seed), (evals, train) in truth.items():
+        row = table["arms"][method]["per_seed"][str(seed)]
+        assert row["pass@1_step0"] == evals[0]["eval/pass@1"] and row["pass@1_last"] == evals[10]["eval/pass@1"]
+        assert row["response_length_last"] == evals[10]["eval/response_length_mean"]
+        assert row["direct_fraction_step0"] == evals[0]["eval/direct_fraction"]
+        assert row["value_err_first_step1"] == train[1]["diag/value_err_first"]
+        assert list(row["evals"]) == ["0", "5", "10"]
+        assert row["evals"]["5"]["direct_fraction"] == evals[5]["eval/direct_fraction"]
+        n = plot_results.EARLY_STEPS
+        assert row["adv_length_corr_first"] == pytest.approx(
+            np.mean([train[s]["diag/adv_length_corr"] for s in range(1, n + 1)]))
+        assert row["sampled_length_last"] == pytest.approx(
+            np.mean([train[s]["rollout/response_length_mean"] for s in range(11 - n, 11)]))
+    mean = table["arms"]["ppo"]["mean"]["pass@1_last"]
+    assert mean["mean"] == pytest.approx(np.mean([truth[("ppo", s)][0][10]["eval/pass@1"] for s in (0, 1)]))
+    assert table["arms"]["vcppo"]["eval_means"]["5"]["pass@1"] == pytest.approx(
+        np.mean([truth[("vcppo", s)][0][5]["eval/pass@1"] for s in (0, 1)]))
+    assert "ppo_bias+1" not in table["arms"]  # arms without runs are left out, not reported as zeros
 
 
 def test_learning_plan_trains_one_sft_per_seed_and_the_shuffled_control(tmp_path):
@@ -279,7 +362,7 @@ def test_run_plan_skips_done_runs_and_dependents_of_failures_and_stops_when_pree
     monkeypatch.setattr(reproduce.stages, "stage_done", lambda workdir: workdir in done)
     monkeypatch.setattr(reproduce.stages, "run_stage", fake_run)
     bad, stopped = reproduce.run_plan(plan)
-    assert calls == [by["value_pretrain"], by["reward_model"], by["ppo"], by["grpo"]]  # sft done, vcppo skipped
+    assert calls == [by["reward_model"], by["value_pretrain"], by["ppo"], by["grpo"]]  # sft done, vcppo skipped
     assert [r.name for r in bad] == ["value_pretrain", "vcppo"] and not stopped
 
     calls.clear()
@@ -344,6 +427,27 @@ def test_variant_reuses_finished_stages_and_overrides_rl_fields(tmp_path, monkey
         reproduce.build_plan(out, [0], ["ppo"], reproduce.PROFILES["full"], {"actor_optim.lrr": 1e-4}, base)
     with pytest.raises(SystemExit):
         reproduce.parse_args(["--set", "no_equals_sign"])
+
+
+@pytest.mark.parametrize("argv, profile, out", [
+    ([], "full", "runs/reproduce"), (["--quick"], "quick", "runs/reproduce"),
+    (["--learning"], "learning", "runs/learning"), (["--mechanism"], "mechanism", "runs/mechanism"),
+    (["--mechanism", "--quick"], "mechanism_quick", "runs/mechanism_quick")])
+def test_profile_flags_choose_profile_and_out(monkeypatch, argv, profile, out):
+    seen = {}
+    monkeypatch.setattr(reproduce, "build_plan", lambda out_dir, seeds, methods, prof, *a: seen.update(
+        out=out_dir, profile=prof, seeds=seeds) or [])
+    monkeypatch.setattr(reproduce, "check_meshes", lambda plan: None)
+    assert reproduce.main(argv + ["--dry-run"]) == 0
+    assert seen["profile"] is reproduce.PROFILES[profile] and seen["out"] == pathlib.Path(out).resolve()
+    assert seen["seeds"] == list(range(reproduce.PROFILES[profile].seeds))
+
+
+@pytest.mark.parametrize("argv", [["--learning", "--mechanism"], ["--quick", "--learning"], ["--tiny", "--quick"],
+                                  ["--mechanism", "--tiny"]])
+def test_exclusive_profile_flags(argv):
+    with pytest.raises(SystemExit):
+        reproduce.parse_args(argv)
 
 
 def test_trailing_mean_matches_a_loop():

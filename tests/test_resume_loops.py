@@ -189,7 +189,12 @@ def test_resumed_run_equals_uninterrupted_run(root, uninterrupted, name):
     if name == "grpo":
         at_k = saved_state(reference, k)
         assert moved(at_k["actor"]["params"], at_k["ref_params"])
-    assert ckpt_lib.read_meta(workdir, N) == ckpt_lib.read_meta(reference, N)  # eval, histories, done
+    # eval, histories, done, and what the run was built from; only the run's own id differs (two runs).
+    meta, want = ckpt_lib.read_meta(workdir, N), ckpt_lib.read_meta(reference, N)
+    assert meta["provenance"].pop("run_id") != want["provenance"].pop("run_id")
+    assert meta == want
+    assert {ckpt_lib.read_meta(workdir, s)["provenance"]["run_id"] for s in range(1, N + 1)} == {
+        ckpt_lib.read_meta(workdir, N)["provenance"]["run_id"]}  # one id across the interruption
 
     want = training_records(reference)
     assert [r["step"] for r in want] == list(range(1, N + 1))

@@ -105,6 +105,8 @@ def test_garbage_is_wrong_fast_and_never_raises(math_verifier, synth_verifier):
         r'\boxed{10^{10^{10}}}',  # sympy would never return on this
         r'\boxed{2^{123456789}}',
         r'\boxed{99999999!}',
+        r'\boxed{9!!!!!!!!!}',  # a factorial tower: sympy never returned on this one
+        r'\boxed{((3!)!)!}',
         r'\boxed{1e99999999}',
         r'\boxed{\frac{' * 50 + '}' * 50,
         r'\boxed{' + 'a+' * 150 + 'a}',
@@ -151,3 +153,34 @@ def test_reward_values_and_batch():
         make_verifier('math', correct=0.0, wrong=0.0)
     with pytest.raises(ValueError, match='wrong'):
         make_verifier('math', wrong=float('nan'))
+
+
+def test_bounded_call_kills_a_slow_worker_and_recovers():
+    """The hard bound behind the guards: a call that outlives the deadline is scored False within about the
+    deadline, the worker is replaced, and later calls work; a call that raises is False, not a crash."""
+    from testutil import sleep_then  # noqa: PLC0415
+
+    call = rewards.BoundedCall(sleep_then, timeout_s=1.0)
+    try:
+        assert call(0.0) is True  # starts the worker (its start-up is not counted against the deadline)
+        start = time.perf_counter()
+        assert call(60.0) is False
+        assert time.perf_counter() - start < 10.0  # bounded: the call would take 60 s
+        assert call(0.0, "yes") is True  # a fresh worker
+        assert call(0.0, ValueError("boom")) is False
+        assert call(0.0) is True  # an exception does not kill the worker
+    finally:
+        call.close()
+    with pytest.raises(ValueError, match="timeout_s"):
+        rewards.BoundedCall(sleep_then, timeout_s=0)
+
+
+def test_math_verifier_scores_through_the_bounded_worker(monkeypatch):
+    """The math verifier's sympy path goes through a BoundedCall (and the fast paths never start one)."""
+    calls = []
+    real = rewards.BoundedCall.__call__
+    monkeypatch.setattr(rewards.BoundedCall, "__call__", lambda self, *a: calls.append(a) or real(self, *a))
+    verifier = make_verifier("math")
+    assert verifier(r"\boxed{5}", "5") == 1.0 and verifier(r"\boxed{0.5}", "1/2") == 1.0 and calls == []
+    assert verifier(r"\boxed{\sqrt{4}}", "2") == 1.0
+    assert calls == [(r"\sqrt{4}", "2")]

@@ -323,6 +323,25 @@ def test_experience_kl_in_reward_and_whitening():
     assert (adv[~valid] == 0).all()
     # Metrics report the advantages before whitening.
     np.testing.assert_allclose(float(m["adv/mean"]), raw[valid].mean(), rtol=1e-4, atol=1e-5)
+    # The critic's calibration error is against the Monte-Carlo return of the task reward, not the KL-shaped one.
+    task_returns = np.cumsum((np.asarray(ro["rewards"]) * mask)[:, ::-1], axis=1)[:, ::-1]
+    first = valid[:, 0]
+    np.testing.assert_allclose(float(m["diag/value_err_first"]),
+                               (values[first, 0] - task_returns[first, 0]).mean(), rtol=1e-4, atol=1e-5)
+    shaped_first = (values[first, 0] - want_returns[first, 0]).mean()
+    assert abs(shaped_first - float(m["diag/value_err_first"])) > 1e-3
+    # The collapse signal reads the same advantages (whitening does not change a correlation).
+    seq = np.asarray(ro["seq_rewards"])
+    lengths = mask.sum(1)
+    a0, n = raw[:, 0].astype(np.float64), lengths.astype(np.float64)
+    rows = lengths > 0
+    a0, n, won = a0[rows], n[rows], seq[rows] > 0
+    for cls in (won, ~won):
+        if cls.any():
+            a0[cls] -= a0[cls].mean()
+            n[cls] -= n[cls].mean()
+    np.testing.assert_allclose(float(m["diag/adv_length_corr"]), (a0 * n).sum() / np.sqrt((a0 ** 2).sum() *
+                                                                                         (n ** 2).sum()), atol=1e-4)
 
 
 def test_experience_grpo_group_advantages():

@@ -145,6 +145,41 @@ def test_value_targets_eos_only_sequence_reward_at_each_last_token():
                 assert np.asarray(targets)[b, n - 1] == seq[b]
 
 
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 0.9])
+def test_value_targets_truncated_responses_are_failures_at_a_strict_prefix(fraction):
+    """The pessimistic reward model: with truncated_fraction f, each row of length >= 2 is, with probability f,
+    supervised once at a cut strictly before its last token with the failure reward; every other row keeps its
+    sequence reward at its last token. One target per non-empty row, never past the response. Over many rows the
+    truncated share matches f and cuts cover every strict prefix position."""
+    lengths = np.array([1, R, 3, 0, 2, 4, 5, 1] * 64)
+    n = len(lengths)
+    mask = (np.arange(R)[None] < lengths[:, None]).astype(np.float32)
+    seq = np.where(np.arange(n) % 3 == 0, 1.0, -1.0).astype(np.float32)
+    ro = dict(response_mask=jnp.asarray(mask), seq_rewards=jnp.asarray(seq), rewards=jnp.zeros((n, R)))
+    targets, weights = value_train.value_targets(ro, gamma=1.0, eos_only=True, truncated_fraction=fraction,
+                                                 truncated_reward=-3.0, rng=jax.random.PRNGKey(5))
+    targets, weights = np.asarray(targets), np.asarray(weights)
+    np.testing.assert_array_equal(weights.sum(1), (lengths > 0).astype(np.float32))
+    assert (weights * (1 - mask)).sum() == 0
+    pos = weights.argmax(1)
+    cut = (lengths > 0) & (pos < lengths - 1)
+    np.testing.assert_array_equal(targets[cut, pos[cut]], -3.0)
+    kept = (lengths > 0) & ~cut
+    np.testing.assert_array_equal(pos[kept], lengths[kept] - 1)
+    np.testing.assert_array_equal(targets[kept, pos[kept]], seq[kept])
+    assert not cut[lengths < 2].any()  # a 1-token response has no strict prefix
+    eligible = lengths >= 2
+    share = cut[eligible].mean()
+    assert abs(share - fraction) < 4 * np.sqrt(fraction * (1 - fraction) / eligible.sum())
+    full = cut & (lengths == R)
+    assert set(pos[full].tolist()) == set(range(R - 1))  # every strict prefix of a full row is drawn
+    again = value_train.value_targets(ro, gamma=1.0, eos_only=True, truncated_fraction=fraction,
+                                      truncated_reward=-3.0, rng=jax.random.PRNGKey(5))[1]
+    np.testing.assert_array_equal(np.asarray(again), weights)  # a function of the key
+    plain = value_train.value_targets(ro, gamma=1.0, eos_only=True)[1]
+    assert (np.asarray(plain).argmax(1) != pos).any() and fraction > 0
+
+
 # --------------------------------------------------------------------------------------------------------------
 # converged.
 # --------------------------------------------------------------------------------------------------------------

@@ -21,3 +21,13 @@ def random_params(model: nn.Module, seed: int = 0, scale: float = 0.15) -> dict:
     leaves = [((1.0 if "norm" in jax.tree_util.keystr(path) else 0.0)
                + scale * rng.standard_normal(x.shape)).astype(x.dtype) for path, x in flat]
     return jax.tree.unflatten(treedef, [jnp.asarray(x) for x in leaves])
+
+
+def sleep_then(seconds: float, result=True):
+    """A stand-in for a slow verification (module level, so a spawned worker can import it)."""
+    import time  # noqa: PLC0415
+
+    time.sleep(seconds)
+    if isinstance(result, Exception):
+        raise result
+    return result

@@ -12,13 +12,13 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from vcppo_jax.losses import AGG_MODES, KL_KINDS
+from vcppo_jax.rewards import TASKS
+
 ALGORITHMS = ("vcppo", "ppo", "grpo")
 STAGES = ("sft", "reward_model", "value_pretrain", "rl")
 CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 DTYPES = ("float32", "bfloat16")
-TASKS = ("synthetic", "gsm8k", "math")
 
 
 class ConfigError(ValueError):
@@ -92,6 +92,9 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
     c.max_bad_steps = 3  # consecutive non-finite losses before the run halts.
     c.tensorboard = True
     c.progress_bar = True
+    # Library log lines (orbax, TFDS, absl INFO) on the console; off: progress bars, evaluations, stage lines and
+    # this project's warnings only.
+    c.verbose = False
     return c
 
 
@@ -106,8 +109,9 @@ def stage_overrides() -> ml_collections.ConfigDict:
     e.g. `--config.stage_overrides.sft.num_steps=200`."""
     unset = lambda: ml_collections.config_dict.placeholder(int)
     value = lambda: dict(max_steps=unset(), min_steps=unset(), prompts_per_step=unset(), group_size=unset())
+    reward_model = dict(value(), truncated_fraction=ml_collections.config_dict.placeholder(float))
     return ml_collections.ConfigDict(dict(sft=dict(num_steps=unset(), batch_size=unset(), eval_every=unset()),
-                                          value_pretrain=value(), reward_model=value()))
+                                          value_pretrain=value(), reward_model=reward_model))
 
 
 def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
@@ -212,6 +216,9 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c.gamma = 1.0
     c.reward_correct = 1.0
     c.reward_wrong = -1.0
+    # reward_model only: the fraction of responses labelled failures at a random cut (value_train.value_targets);
+    # > 0 gives the pessimistic reward model of the mechanism study.
+    c.truncated_fraction = 0.0
     c.min_steps = 20
     c.max_steps = 80
     c.save_every = 20
@@ -334,8 +341,8 @@ def _validate_rl(c) -> None:
         _check_range(c, "dual_clip", 1.0, float("inf"), lo_open=True, hi_open=True)
     _check_range(c, "value_clip", 0.0, float("inf"), hi_open=True)
     _check_range(c, "critic_init_bias", -float("inf"), float("inf"), lo_open=True, hi_open=True)
-    _check_choice(c, "loss_agg", LOSS_AGG_MODES)
-    _check_choice(c, "kl_estimator", KL_ESTIMATORS)
+    _check_choice(c, "loss_agg", AGG_MODES)  # the lists are owned by the modules that implement them
+    _check_choice(c, "kl_estimator", KL_KINDS)
     for f in ("kl_coef", "entropy_coef", "nll_coef"):
         _check_range(c, f, 0.0, float("inf"), hi_open=True)
     _check_int(c, "prompts_per_step", 1)
@@ -343,6 +350,14 @@ def _validate_rl(c) -> None:
     _check_int(c, "num_epochs", 1)
     _validate_minibatching(c, c.prompts_per_step * c.group_size)
     _validate_sampling(c)
+    # The sampler would draw from the filtered distribution while the PPO ratio, the KL terms and the stored
+    # log-probs use the full tempered one: every update would be silently off-policy.
+    if c.sampling.top_k != 0 or c.sampling.top_p != 1.0:
+        _fail("sampling.top_k" if c.sampling.top_k != 0 else "sampling.top_p",
+              c.sampling.top_k if c.sampling.top_k != 0 else c.sampling.top_p,
+              "must be 0 (top_k) and 1.0 (top_p) for RL: the training log-probs use the full tempered distribution, "
+              "so filtered sampling would make the PPO ratio off-policy (top-k / top-p stay available to evaluation "
+              "and to the sampler's API)")
     _validate_optim(c, "actor_optim")
     _check_int(c, "logprob_chunk", 1)
     _check_int(c, "num_steps", 0)
@@ -378,6 +393,11 @@ def _validate_value(c) -> None:
     _validate_sampling(c)
     _validate_optim(c, "optim")
     _check_range(c, "gamma", 0.0, 1.0)
+    _check_range(c, "truncated_fraction", 0.0, 1.0, hi_open=True)
+    if c.stage == "value_pretrain" and c.truncated_fraction:
+        _fail("truncated_fraction", c.truncated_fraction,
+              "must be 0 for value pretraining (its targets are Monte-Carlo returns; truncation labels the reward "
+              "model's)")
     _check_int(c, "min_steps", 0)
     _check_int(c, "max_steps", 1)
     if c.min_steps > c.max_steps:

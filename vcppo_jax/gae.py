@@ -112,9 +112,11 @@ def _gae_associative(rewards, values, valid, gamma, lams):
     """Parallel form: both recursions are affine, y_t = a_t * y_{t+1} + b_t with y_T = 0. Returns [K, B, T]."""
     m = valid.astype(rewards.dtype)
     # Value seen at step t from the right: V_t if valid else carried through; shifted by one gives V(s_next).
-    _, carried_v = jax.lax.associative_scan(_affine_compose, (1.0 - m, m * values), reverse=True, axis=1)
+    # `where`, not `* m`: NaN or inf in a padded position times 0 is NaN and would reach every valid step.
+    _, carried_v = jax.lax.associative_scan(_affine_compose, (1.0 - m, jnp.where(valid, values, 0.0)), reverse=True,
+                                            axis=1)
     next_value = jnp.concatenate([carried_v[:, 1:], jnp.zeros_like(carried_v[:, :1])], axis=-1)
-    delta = (rewards + gamma * next_value - values) * m
+    delta = jnp.where(valid, rewards + gamma * next_value - values, 0.0)
     # Valid step: A_t = delta_t + gamma*lam*A_next. Masked step: identity map (a=1, b=0), the carry passes through.
     a = jnp.where(valid[None], gamma * lams[:, :, None], 1.0)
     b = jnp.broadcast_to(delta[None], a.shape)

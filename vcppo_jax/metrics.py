@@ -2,9 +2,10 @@
 
 The paper's collapse signature (Fig. 1-2): with a critic biased on early tokens, the mean
 advantage on the first tokens of a response is large and positive (~ +0.7 at token 0) while it is
-~0 later, and the response length falls. `position_bucket_means`, `early_token_bias` and
-`response_length_stats` are jit-friendly reductions computed inside the step; `collapse_warning`
-inspects their history on the host.
+~0 later, and the response length falls. `position_bucket_means`, `early_token_bias`,
+`advantage_length_corr` and `response_length_stats` are jit-friendly reductions computed inside the
+step; `collapse_warning` inspects the history of the advantage-length correlation and of the critic's error at
+the first token on the host.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -22,6 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_TB_ILLEGAL = re.compile(r"[^-/\w.]")
+
+
+def tensorboard_tag(name: str) -> str:
+    """The TensorBoard tag of a metric: characters TensorBoard rejects become '_' ('eval/pass@1' ->
+    'eval/pass_1'), the name TensorBoard would pick itself after logging a line per write."""
+    return _TB_ILLEGAL.sub("_", name).lstrip("/")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,11 +90,11 @@ class MetricWriter:
                 continue
             if isinstance(value, np.ndarray):
                 if self._tb is not None and np.isfinite(value).all():
-                    self._tb.add_histogram(name, value, global_step=int(step))
+                    self._tb.add_histogram(tensorboard_tag(name), value, global_step=int(step))
                 continue
             record[name] = value if math.isfinite(value) else None
             if self._tb is not None:
-                self._tb.add_scalar(name, value, global_step=int(step))
+                self._tb.add_scalar(tensorboard_tag(name), value, global_step=int(step))
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
 
     def flush(self) -> None:
@@ -186,23 +195,67 @@ def response_length_stats(mask: jax.Array, max_len: int) -> dict[str, jax.Array]
     }
 
 
-def collapse_warning(history: Sequence[float], threshold: float = 0.3, *, window: int = 5) -> str | None:
-    """Warning text if the early-token advantage bias stays above `threshold` for `window` steps.
+def advantage_length_corr(advantages: jax.Array, mask: jax.Array, seq_rewards: jax.Array) -> jax.Array:
+    """Correlation over the batch between each response's first-token advantage and its length, within outcome.
 
-    history: per-step 'diag/adv_early_bias' values, oldest first. Rule: the last `window` values
-    are all finite and > threshold. A healthy (e.g. value-pretrained) critic gives a bias near 0;
-    the paper's collapsing PPO run shows ~ +0.7 on the first tokens vs ~0 later (Fig. 2), which
-    rewards ending early and precedes the length collapse.
+    advantages, mask: [batch, time] (responses right-padded, so column 0 is each response's first token);
+    seq_rewards: [batch]. Both quantities are centred within each outcome class (reward > 0, and the rest) before
+    the Pearson correlation, so what is left is the length preference the advantages add beyond the outcome. The
+    first token is where the policy chooses how to answer (here: a direct answer or a chain of thought). A critic
+    that is pessimistic on unfinished prefixes gives a short response's first token more of (r - V) than a long
+    one's (lambda^T decay): strongly negative (about -0.8 in the mechanism study), which pushes the policy to short
+    answers; an optimistic one, positive. A calibrated critic read +0.4 to +0.5 and GRPO about +0.1 there over the
+    first steps (a longer, harder problem answered right earns more), and any of them swings in single batches.
+    0 when either quantity has no variance.
+    """
+    if advantages.shape != mask.shape or advantages.ndim != 2 or seq_rewards.shape != advantages.shape[:1]:
+        raise ValueError(f"advantages {advantages.shape}, mask {mask.shape} must be [batch, time] and seq_rewards "
+                         f"{seq_rewards.shape} [batch]")
+    lengths = mask.astype(jnp.float32).sum(axis=1)
+    valid = (lengths > 0).astype(jnp.float32)
+    first = advantages[:, 0].astype(jnp.float32) * valid
+    centred = []
+    for x in (first, lengths):
+        out = jnp.zeros_like(x)
+        for cls in (seq_rewards > 0, seq_rewards <= 0):
+            w = valid * cls
+            mean = (x * w).sum() / jnp.maximum(w.sum(), 1.0)
+            out = out + w * (x - mean)
+        centred.append(out)
+    a, l = centred
+    denom = jnp.sqrt((a * a).sum() * (l * l).sum())
+    return jnp.where(denom > 1e-12, (a * l).sum() / jnp.maximum(denom, 1e-12), 0.0)
+
+
+COLLAPSE_CORR, COLLAPSE_VALUE_ERR, COLLAPSE_WINDOW = -0.3, -0.3, 3
+
+
+def collapse_warning(corr_history: Sequence[float], value_err_history: Sequence[float], *,
+                     corr_threshold: float = COLLAPSE_CORR, value_err_threshold: float = COLLAPSE_VALUE_ERR,
+                     window: int = COLLAPSE_WINDOW) -> str | None:
+    """Warning text if, for `window` steps in a row, the advantages favoured short responses (`adv_length_corr`
+    below `corr_threshold`) while the critic undervalued the start of the responses (`value_err_first`, its value
+    minus the Monte-Carlo return at the first token, below `value_err_threshold`).
+
+    corr_history, value_err_history: per-step 'diag/adv_length_corr' and 'diag/value_err_first', oldest first.
+    Both, because each alone misfires: late in a healthy run, once every response uses its scratchpad, the
+    correlation swings between about -0.9 and +0.5 from step to step (a bad first token also leads to a long,
+    wrong response), and a noisy batch moves the critic error by ±0.3; together they name the mechanism of the
+    paper's Fig. 1-2 (a pessimistic critic with lambda < 1 hands a short response's first token most of r - V).
+    The mechanism study (README) shows when this fires and when it stays quiet.
     """
     if window < 1:
         raise ValueError(f"window={window} must be >= 1")
-    recent = [float(v) for v in history[-window:]]
-    if len(recent) < window or not all(math.isfinite(v) and v > threshold for v in recent):
+    pairs = list(zip(corr_history, value_err_history))[-window:]
+    if len(pairs) < window or not all(math.isfinite(c) and math.isfinite(e) and c < corr_threshold
+                                      and e < value_err_threshold for c, e in pairs):
         return None
+    corr, err = pairs[-1]
     return (
-        f"early-token advantage bias > {threshold} for the last {window} steps (latest {recent[-1]:+.3f}, "
-        f"mean {np.mean(recent):+.3f}): the critic over-credits early tokens (VC-PPO Fig. 2 collapse signature); "
-        "consider value pretraining or lambda_critic=1.0"
+        f"for {window} steps the advantages favoured short responses (first-token advantage vs length correlation "
+        f"{corr:+.2f} < {corr_threshold}) while the critic undervalued their start (value - return at the first "
+        f"token {err:+.2f} < {value_err_threshold}): the pessimistic-critic collapse of VC-PPO Fig. 1-2; consider "
+        "value pretraining"
     )
 
 

@@ -6,10 +6,13 @@ rule reward. Verifiers never raise and do bounded work per call:
 * only the last `MAX_RESPONSE_CHARS` characters of a response are searched (the final answer is at the end), so a
   1 MB response costs the same as a 4 KB one;
 * an extracted answer longer than `MAX_ANSWER_CHARS` counts as wrong without being parsed;
-* before handing an expression to sympy (via `math_verify`) exponent towers and exponents / factorial arguments
-  with more than `MAX_EXPONENT_DIGITS` digits are refused: sympy evaluates those in uninterruptible C big-int code
-  (e.g. `10^{10^{10}}` never returns), and math_verify's own timeouts (signal.alarm) cannot stop that and do not
-  work off the main thread, so they are disabled (`parsing_timeout=None, timeout_seconds=None`).
+* before handing an expression to sympy (via `math_verify`) exponent towers, repeated or nested factorials and
+  exponents / factorial arguments with more than `MAX_EXPONENT_DIGITS` digits are refused: sympy evaluates those in
+  uninterruptible C big-int code (e.g. `10^{10^{10}}` or `9!!!!!!!!!` never return), and math_verify's own timeouts
+  (signal.alarm) cannot stop that and do not work off the main thread, so they are disabled;
+* and the sympy comparison itself runs in a worker process with a deadline (`SYMPY_TIMEOUT_S`): an expression the
+  guards above miss is killed there and scored wrong, so no answer can stop an RL run. The worker starts on the
+  first answer that needs sympy (never for the synthetic task) and is reused.
 
 Final-answer formats:
 * synthetic task: the last `Answer:` line, which must read `Answer: <integer>` (see `ANSWER_PREFIX`); the integer
@@ -21,6 +24,7 @@ Final-answer formats:
 from __future__ import annotations
 
 import math
+import multiprocessing
 import re
 from collections.abc import Callable, Sequence
 from fractions import Fraction
@@ -31,6 +35,7 @@ ANSWER_PREFIX = 'Answer:'
 MAX_RESPONSE_CHARS = 4096
 MAX_ANSWER_CHARS = 200
 MAX_EXPONENT_DIGITS = 4
+SYMPY_TIMEOUT_S = 5.0
 TASKS = ('synthetic', 'gsm8k', 'math')
 
 Verifier = Callable[[str, str], float]
@@ -171,6 +176,9 @@ def is_safe_for_sympy(s: str) -> bool:
     """False for expressions sympy may take unbounded time on (exponent towers, huge exponents/factorials)."""
     if len(s) > MAX_ANSWER_CHARS or _HUGE_NUMBER_RE.search(s):
         return False
+    # Factorial towers (`9!!!!`, `(3!)!`): each level multiplies the digit count, like an exponent tower.
+    if s.count('!') > 1 or re.search(r'[)}\]]\s*!', s):
+        return False
     for exponent in _exponents(s):
         if '^' in exponent or '**' in exponent:
             return False
@@ -179,8 +187,78 @@ def is_safe_for_sympy(s: str) -> bool:
     return True
 
 
-def math_equal(pred: str, gold: str) -> bool:
-    """Whether a predicted final answer equals the reference (string, then number, then math_verify)."""
+def sympy_equal(pred: str, gold: str) -> bool:
+    """math_verify's equivalence of two answers, with no time bound of its own (run it through `BoundedCall`)."""
+    # Imported lazily: math_verify pulls in sympy (~1 s) and only this slow path needs it.
+    from math_verify import parse, verify
+    gold_parsed = parse(f'${gold}$', parsing_timeout=None)
+    pred_parsed = parse(f'${pred}$', parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def _serve(conn, fn) -> None:
+    """Worker process loop: receives argument tuples, sends back fn(*args) (False if it raised)."""
+    while True:
+        try:
+            args = conn.recv()
+        except EOFError:
+            return
+        try:
+            result = bool(fn(*args))
+        except Exception:  # pylint: disable=broad-except
+            result = False
+        conn.send(result)
+
+
+class BoundedCall:
+    """`call(*args) -> bool`: fn(*args) in a persistent worker process, or False when it takes longer than
+    `timeout_s` (the worker is then killed and restarted on the next call) or fails.
+
+    fn must be a module-level (picklable) function. A 'spawn' worker: forking a process that runs XLA's threads is
+    unsafe. Not thread-safe: one verifier per thread.
+    """
+
+    def __init__(self, fn: Callable[..., bool], timeout_s: float, startup_s: float = 60.0):
+        if not timeout_s > 0 or not startup_s >= 0:
+            raise ValueError(f'timeout_s must be > 0 and startup_s >= 0, got {timeout_s!r}, {startup_s!r}')
+        self.fn, self.timeout_s, self.startup_s = fn, timeout_s, startup_s
+        self._proc = self._conn = None
+
+    def _start(self) -> None:
+        ctx = multiprocessing.get_context('spawn')
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, self.fn), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.join()
+            self._conn.close()
+        self._proc = self._conn = None
+
+    def __call__(self, *args) -> bool:
+        deadline = self.timeout_s
+        if self._proc is None or not self._proc.is_alive():
+            self.close()
+            self._start()
+            deadline += self.startup_s  # the worker's start (spawn, imports) is not the answer's time
+        try:
+            self._conn.send(args)
+            if self._conn.poll(deadline):
+                return bool(self._conn.recv())
+        except (EOFError, OSError):
+            pass
+        self.close()
+        return False
+
+
+def math_equal(pred: str, gold: str, sympy_call: Callable[[str, str], bool] = sympy_equal) -> bool:
+    """Whether a predicted final answer equals the reference (string, then number, then `sympy_call`: math_verify,
+    by default in this process; `make_verifier` passes a `BoundedCall` of it)."""
     if len(pred) > MAX_ANSWER_CHARS:
         return False
     p, g = normalize_answer(pred), normalize_answer(gold)
@@ -193,13 +271,7 @@ def math_equal(pred: str, gold: str) -> bool:
         return p_num == g_num
     if not (is_safe_for_sympy(p) and is_safe_for_sympy(g)):
         return False
-    # Imported lazily: math_verify pulls in sympy (~1 s) and only this slow path needs it.
-    from math_verify import parse, verify
-    gold_parsed = parse(f'${gold}$', parsing_timeout=None)
-    pred_parsed = parse(f'${pred}$', parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+    return sympy_call(pred, gold)
 
 
 def _check_reward_values(correct: float, wrong: float) -> None:
@@ -222,9 +294,11 @@ def make_verifier(task_name: str, *, correct: float = 1.0, wrong: float = -1.0) 
             pred = extract_synthetic_answer(response)
             return pred is not None and pred == str(answer).strip()
     else:
+        bounded = BoundedCall(sympy_equal, SYMPY_TIMEOUT_S)
+
         def is_correct(response: str, answer: str) -> bool:
             pred = extract_math_answer(response)
-            return pred is not None and math_equal(pred, str(answer))
+            return pred is not None and math_equal(pred, str(answer), bounded)
 
     def verifier(response_text: str, answer: str) -> float:
         try:

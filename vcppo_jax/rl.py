@@ -147,7 +147,8 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
                          if hp.adaptive_lambda else hp.lambda_actor)
             advantages, returns = gae_lib.decoupled_gae(rewards, values, mask, gamma=hp.gamma,
                                                         lambda_actor=lam_actor, lambda_critic=hp.lambda_critic)
-            m.update(_position_diagnostics(values, advantages, mask, hp))
+            mc_returns = gae_lib.gae(rollout["rewards"], jnp.zeros_like(mask), mask, gamma=hp.gamma, lam=1.0)[1]
+            m.update(_position_diagnostics(values, advantages, mask, hp, mc_returns=mc_returns))
             m["value/explained_var_old"] = losses.explained_variance(values, returns, mask)
         else:
             values = returns = jnp.zeros_like(mask)
@@ -155,6 +156,7 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
                                                normalize_std=hp.grpo_normalize_std)
             advantages = group_adv[:, None] * mask
             m.update(_position_diagnostics(None, advantages, mask, hp))
+        m["diag/adv_length_corr"] = metrics_lib.advantage_length_corr(advantages, mask, rollout["seq_rewards"])
         raw_advantages = advantages
         if hp.whiten_advantages and hp.has_critic:
             advantages = gae_lib.whiten(advantages, mask)
@@ -174,8 +176,10 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
     return make_experience
 
 
-def _position_diagnostics(values, advantages, mask, hp: RLHparams) -> dict:
-    """VC-PPO diagnostics (paper Fig. 2): mean value / advantage by token-position bucket, early-token bias."""
+def _position_diagnostics(values, advantages, mask, hp: RLHparams, mc_returns=None) -> dict:
+    """VC-PPO diagnostics (paper Fig. 2): mean value / advantage by token-position bucket, early-token bias, and the
+    critic's error against the Monte-Carlo return of the task reward (`mc_returns` [B, R], KL penalty excluded)
+    by bucket and at each response's first token (how far from calibrated the critic is, and where)."""
     out = {}
     adv_b, counts = metrics_lib.position_bucket_means(advantages, mask, hp.diag_buckets)
     for i in range(hp.diag_buckets):
@@ -184,8 +188,12 @@ def _position_diagnostics(values, advantages, mask, hp: RLHparams) -> dict:
         out[f"diag/tokens_pos{i:02d}"] = counts[i]
     if values is not None:
         val_b = metrics_lib.position_bucket_means(values, mask, hp.diag_buckets)[0]
+        err_b = metrics_lib.position_bucket_means(values - mc_returns, mask, hp.diag_buckets)[0]
         for i in range(hp.diag_buckets):
             out[f"diag/value_pos{i:02d}"] = val_b[i]
+            out[f"diag/value_err_pos{i:02d}"] = err_b[i]
+        first = mask[:, 0]
+        out["diag/value_err_first"] = (first * (values - mc_returns)[:, 0]).sum() / jnp.maximum(first.sum(), 1.0)
     out.update(metrics_lib.early_token_bias(advantages, mask, early_tokens=hp.diag_early_tokens))
     return out
 

@@ -51,6 +51,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     hp = rl.RLHparams.from_config(config)
     batch = config.prompts_per_step * config.group_size
     rt = rt_lib.make_runtime(config)
+    from vcppo_jax.stages import provenance as stage_provenance  # noqa: PLC0415
     from vcppo_jax.stages import stage_meta  # noqa: PLC0415
 
     sft_meta = stage_meta(config.sft_dir, "sft")
@@ -108,6 +109,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
 
     ckpt = rt_lib.checkpointer(config)
     state_d, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
+    prov = stage_provenance(config, meta)
     state = state_from_dict(state_d)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
 
@@ -134,9 +136,10 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
 
     logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc=config.algorithm,
                                show=("rollout/accuracy", "rollout/response_length_mean", "value/explained_var",
-                                     "diag/adv_early_bias"))
+                                     "diag/adv_length_corr"))
     timer = Timer()
-    bias_history: list[float] = list(meta.get("adv_early_bias", []))
+    # Histories of the collapse signals (metrics.collapse_warning), kept in the checkpoint meta across resumes.
+    collapse_history: dict[str, list[float]] = {k: list(v) for k, v in meta.get("collapse_signals", {}).items()}
     last_eval: dict = dict(meta.get("eval", {}))
 
     def run_eval(step: int) -> None:
@@ -177,8 +180,10 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                 # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).
                 m["policy/lr"] = float(learning_rate(config.actor_optim, max(int(actor_updates) - 1, 0)))
                 m.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
-                bias_history.append(m["diag/adv_early_bias"])
-                warning = metrics_lib.collapse_warning(bias_history)
+                for signal in ("adv_length_corr", "value_err_first"):  # meta keys without '/'
+                    collapse_history.setdefault(signal, []).append(m.get(f"diag/{signal}", 0.0))  # GRPO: no error
+                warning = metrics_lib.collapse_warning(collapse_history["adv_length_corr"],
+                                                       collapse_history["value_err_first"])
                 if warning:
                     logger.print(f"step {step + 1}: {warning}")
                 logger.log(step + 1, m)
@@ -187,7 +192,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     run_eval(step + 1)
                 if done or (step + 1) % config.save_every == 0 or guard.should_stop:
                     meta = {"stage": "rl", "algorithm": config.algorithm, "done": done, "eval": last_eval,
-                            "adv_early_bias": bias_history, "model_config": sft_meta["model_config"]}
+                            "collapse_signals": collapse_history, "model_config": sft_meta["model_config"],
+                            "provenance": prov}
                     ckpt.save(step + 1, state_to_dict(state), meta, force=True)
                 if guard.should_stop:
                     logger.print(f"preempted: saved step {step + 1}")

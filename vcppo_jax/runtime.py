@@ -108,9 +108,13 @@ class StepLogger:
         self._bad_in_a_row = 0
         self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, disable=not config.progress_bar,
                               dynamic_ncols=True, file=sys.stdout)
+        self._desc, self._workdir, self._step, self._total = desc, config.workdir, initial, total
+        self.print(f"[{desc}] {config.workdir}: " + (f"resuming at step {initial} of {total}" if initial
+                                                      else f"{total} steps"))
 
     def log(self, step: int, metrics: dict[str, Any], *, force: bool = False) -> None:
         self._bar.update(1)
+        self._step = step
         if force or step % self._every == 0:
             self._writer.write(step, metrics)
             self._bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3g}" for k in self._show if k in metrics},
@@ -144,10 +148,26 @@ class StepLogger:
     def close(self) -> None:
         self._bar.close()
         self._writer.close()
+        print(f"[{self._desc}] stopped at step {self._step} of {self._total}: {self._workdir}", flush=True)
 
 
 def checkpointer(config: ml_collections.ConfigDict) -> ckpt_lib.Checkpointer:
     return ckpt_lib.Checkpointer(config.workdir, max_to_keep=config.max_to_keep)
+
+
+def configure_console(verbose: bool) -> None:
+    """For an entrypoint, once: without `verbose`, the libraries' log lines (orbax and TFDS log through absl at INFO
+    and WARNING, e.g. 'CheckpointManagerOptions.read_only=True, ...' on every read) and TFDS progress bars are
+    silenced; this project's warnings (checkpoint fallback, stale stages, non-finite steps) use the root logger and
+    still show."""
+    if verbose:
+        return
+    import tensorflow_datasets as tfds  # noqa: PLC0415 (heavy; only entrypoints call this)
+
+    # Not absl's set_verbosity: with absl's handler installed that sets the root logger, hiding our warnings too.
+    logging.getLogger("absl").setLevel(logging.ERROR)
+    logging.getLogger().setLevel(logging.WARNING)  # libraries' INFO lines (e.g. JAX probing for a TPU)
+    tfds.disable_progress_bar()
 
 
 def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDict, target, init: Callable[[], Any]
@@ -161,6 +181,5 @@ def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDi
                               f"{ckpt.all_steps()}); use a new workdir, or resume=True to continue that run")
     if config.resume and ckpt.latest_step() is not None:
         state, meta, step = ckpt.restore(target)
-        logging.info("resumed %s from step %d", config.workdir, step)
         return state, meta, step
     return init(), {}, 0

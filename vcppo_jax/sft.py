@@ -13,6 +13,7 @@ from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
 from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax import stages
 from vcppo_jax.data.batching import batch_indices, encode_sft
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
@@ -72,7 +73,8 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
 
     ckpt = rt_lib.checkpointer(config)
     target = rt_lib.model_state_to_dict(rt_lib.with_shardings(abstract, rt.shardings(abstract)))
-    state, _, start = rt_lib.restore_or_init(ckpt, config, target, lambda: rt_lib.model_state_to_dict(init()))
+    state, restored_meta, start = rt_lib.restore_or_init(ckpt, config, target,
+                                                         lambda: rt_lib.model_state_to_dict(init()))
     state = rt_lib.model_state_from_dict(state)
 
     loss_fn = sft_loss_fn(model, prompt_len=P, chunk=config.task.max_response_len)
@@ -82,7 +84,8 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
             in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     sampler = make_sampler(model, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                            temperature=0.0)
-    meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False}
+    meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False,
+            "provenance": stages.provenance(config, restored_meta)}
     correct = 1.0
     last_eval: dict = {}
 

@@ -3,14 +3,24 @@
 A stage is done when its workdir holds a checkpoint whose meta says `done`. An RL run whose earlier stages are
 missing runs them first (`config.run_missing_stages`) with the stage's own config file, sharing the model, task,
 mesh and seed; otherwise it fails before anything compiles, naming the command to run.
+
+Provenance: every stage's checkpoint meta records what it was built from (`provenance`: its own run id, the task
+and model settings, the run ids of the stages it started from). Before a stage starts, each finished stage it
+needs is checked against it: trained on other task or model settings, or built from another run of its own
+upstream stage (e.g. a value-pretrained critic fit on samples of a different SFT policy), it is stale. A stale
+stage is moved aside (`<workdir>.stale-<run id>`, never deleted) and rerun when the run starts missing stages
+itself; otherwise the run stops with an error naming both. A resumed run is checked the same way against the
+stages it was started from.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import pathlib
 import sys
+import uuid
 from typing import Any, Callable
 
 import ml_collections
@@ -79,20 +89,98 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     return needs
 
 
+def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The settings a stage's checkpoint is only valid for: the task's data (not where it is stored) and the
+    model's architecture fields (not its compute options), as JSON would store them."""
+    task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
+                                                                        "max_response_len")}
+    model = {k: v for k, v in config.model.to_dict().items() if k not in ("dtype", "remat")}
+    return json.loads(json.dumps({"task": task, "model": model}))
+
+
+def _run_id(workdir: str) -> str | None:
+    return ((ckpt_lib.read_meta(workdir) or {}).get("provenance") or {}).get("run_id")
+
+
+def provenance(config: ml_collections.ConfigDict, meta: dict) -> dict[str, Any]:
+    """The `provenance` entry of this run's checkpoint meta. `meta`: the restored checkpoint's ({} for a fresh run),
+    whose run id and upstream run ids a resumed run keeps."""
+    old = meta.get("provenance") or {}
+    return {"run_id": old.get("run_id") or uuid.uuid4().hex, "settings": settings(config),
+            "upstream": old.get("upstream") or {stage: _run_id(workdir) for stage, workdir in prerequisites(config)}}
+
+
+def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
+    """(stage, workdir, why) for each finished stage this run needs that was not built for it (module docstring).
+    Stages finished before provenance was recorded are not checked (a warning says so). Raises ValueError when this
+    run's own checkpoint was started from another run of a stage it needs."""
+    stale: list[tuple[str, str, str]] = []
+    current: dict[str, str | None] = {}  # stage -> run id; None: being (re)built or not recorded
+    rebuilt: set[str] = set()
+    dirs = dict(prerequisites(config))
+    want = settings(config)
+    for stage, workdir in dirs.items():
+        prov = (ckpt_lib.read_meta(workdir) or {}).get("provenance") if stage_done(workdir) else None
+        current[stage] = None if prov is None else prov["run_id"]
+        if not stage_done(workdir):
+            rebuilt.add(stage)  # missing: what was built from an older run of it is stale
+            continue
+        if prov is None:
+            logging.warning("%s in %s records no provenance (built by an older version); not checked", stage, workdir)
+            continue
+        why = [f"its {k} settings {prov['settings'].get(k)} differ from this run's {want[k]}" for k in want
+               if prov["settings"].get(k) != want[k]]
+        for up, up_id in prov["upstream"].items():
+            if up in rebuilt:
+                why.append(f"it was built from {up} run {up_id}, which is being rebuilt")
+            elif up in current and current[up] is not None and current[up] != up_id:
+                why.append(f"it was built from {up} run {up_id}, but {dirs[up]} holds run {current[up]}")
+        if why:
+            stale.append((stage, workdir, "; ".join(why)))
+            rebuilt.add(stage)
+    own = (ckpt_lib.read_meta(config.workdir) or {}).get("provenance") if config.get("resume", True) else None
+    for up, up_id in (own or {}).get("upstream", {}).items():
+        if up in rebuilt or current.get(up) not in (None, up_id):
+            raise ValueError(f"{config.workdir} was started from {up} run {up_id}, but {up} in {dirs[up]} is now "
+                             f"{'stale' if up in rebuilt else f'run {current[up]}'}: resuming would mix the two; use "
+                             "a new workdir")
+    return stale
+
+
+def _move_aside(workdir: str) -> str:
+    path = pathlib.Path(workdir)
+    target = path.with_name(f"{path.name}.stale-{_run_id(workdir) or 'unknown'}")
+    n = 1
+    while target.exists():
+        target, n = path.with_name(f"{path.name}.stale-{_run_id(workdir) or 'unknown'}-{n}"), n + 1
+    path.rename(target)
+    return str(target)
+
+
 def ensure_prerequisites(config: ml_collections.ConfigDict) -> None:
-    """Runs (or, without `run_missing_stages`, demands) every missing earlier stage. Runs no compile itself when
-    everything is present.
+    """Runs (or, without `run_missing_stages`, demands) every missing or stale earlier stage. Runs no compile itself
+    when everything is present and current.
 
     Every missing stage's config, and the mesh/batch split of those stages and of this one, is checked before the
     first of them starts, so a bad override or batch size fails at once rather than after SFT has trained."""
-    missing = [(stage, workdir) for stage, workdir in prerequisites(config) if not stage_done(workdir)]
+    stale = stale_stages(config)
+    if stale and not config.get("run_missing_stages", False):
+        stage, workdir, why = stale[0]
+        raise ValueError(f"{stage} in {workdir} was not built for this run: {why}. Point the config at a matching "
+                         f"run, or move {workdir} away (with run_missing_stages it is moved aside and rerun)")
+    stale_dirs = {workdir for _, workdir, _ in stale}
+    missing = [(stage, workdir) for stage, workdir in prerequisites(config)
+               if workdir in stale_dirs or not stage_done(workdir)]
     if missing and not config.get("run_missing_stages", False):
         stage_meta(missing[0][1], missing[0][0])  # raises the explanatory error
     plan = [derived_config(config, stage, workdir) for stage, workdir in missing]
     for c in plan + ([config] if plan else []):
         rt_lib.make_runtime(c)
+    for stage, workdir, why in stale:  # only now: a bad config above fails before anything is moved
+        target = _move_aside(workdir)
+        print(f"[pipeline] {stage} in {workdir} was not built for this run ({why}): moved to {target}, rerunning it",
+              flush=True)
     for c in plan:
-        logging.warning("%s checkpoint missing in %s: running that stage first", c.stage, c.workdir)
         print(f"[pipeline] no finished {c.stage} in {c.workdir}: running it now", flush=True)
         run_stage(c)
 
@@ -130,6 +218,7 @@ def cli(help_text: str) -> None:
     def main(argv):
         if len(argv) > 1:
             raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        rt_lib.configure_console(flag.value.get("verbose", False))
         main_guard(run_stage, flag.value)
 
     app.run(main)

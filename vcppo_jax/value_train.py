@@ -31,14 +31,28 @@ from vcppo_jax.rollout import generate_and_score, prompt_batch, rollout_stats
 from vcppo_jax.sampling import make_sampler
 
 
-def value_targets(rollout: dict, *, gamma: float, eos_only: bool) -> tuple[jax.Array, jax.Array]:
+def value_targets(rollout: dict, *, gamma: float, eos_only: bool, truncated_fraction: float = 0.0,
+                  truncated_reward: float = -1.0, rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(targets [B, R], weights [B, R]). Monte-Carlo returns on every response token, or (eos_only) the sequence
-    reward on the last response token alone."""
+    reward on the last response token alone.
+
+    truncated_fraction (eos_only): each response of at least 2 tokens is, with this probability, treated as cut
+    off after a uniformly drawn strict prefix and labelled a failure: its one target is `truncated_reward` at the
+    cut (the critic is causal, so the value there sees only the prefix). This is how RLHF pipelines label overlong
+    responses, and it makes the reward model pessimistic on every unfinished prefix. Needs `rng`.
+    """
     mask = rollout["response_mask"]
     if eos_only:
-        last = jnp.maximum(mask.sum(axis=1).astype(jnp.int32), 1) - 1
-        weights = jax.nn.one_hot(last, mask.shape[1], dtype=mask.dtype) * (mask.sum(axis=1, keepdims=True) > 0)
-        return rollout["seq_rewards"][:, None] * weights, weights
+        lengths = mask.sum(axis=1).astype(jnp.int32)
+        target_pos, target = jnp.maximum(lengths, 1) - 1, rollout["seq_rewards"]
+        if truncated_fraction > 0:
+            pick_key, cut_key = jax.random.split(rng)
+            cut = jnp.floor(jax.random.uniform(cut_key, lengths.shape) * (lengths - 1)).astype(jnp.int32)
+            truncated = (jax.random.uniform(pick_key, lengths.shape) < truncated_fraction) & (lengths >= 2)
+            target_pos = jnp.where(truncated, cut, target_pos)
+            target = jnp.where(truncated, truncated_reward, target)
+        weights = jax.nn.one_hot(target_pos, mask.shape[1], dtype=mask.dtype) * (lengths[:, None] > 0)
+        return target[:, None] * weights, weights
     # With lambda = 1 the GAE return does not depend on the values: it is the discounted sum of future rewards.
     _, returns = gae_lib.gae(rollout["rewards"], jnp.zeros_like(mask), mask, gamma=gamma, lam=1.0)
     return returns, mask
@@ -56,7 +70,7 @@ def converged(losses_hist: Sequence[float], ev_hist: Sequence[float], *, window:
 
 
 def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eos_only: bool,
-                    num_minibatches: int):
+                    num_minibatches: int, truncated_fraction: float = 0.0, truncated_reward: float = -1.0):
     """`step(state, rollout, rng) -> (state, metrics)`; loss and explained variance are measured on the fresh batch
     before the update (held-out for the current params), then minibatch regression steps follow."""
 
@@ -66,7 +80,9 @@ def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eo
         return loss, {"value/train_loss": loss}
 
     def step(state, rollout, rng):
-        targets, weights = value_targets(rollout, gamma=gamma, eos_only=eos_only)
+        # A key derived aside, so the minibatch order stays what it was without truncation.
+        targets, weights = value_targets(rollout, gamma=gamma, eos_only=eos_only, truncated_fraction=truncated_fraction,
+                                         truncated_reward=truncated_reward, rng=jax.random.fold_in(rng, 1))
         values = critic_values(critic, state.params, rollout["tokens"], rollout["attn_mask"], prompt_len=prompt_len)
         loss, _ = losses.value_loss(values, values, targets, weights)
         metrics = {"value/loss": loss, "value/explained_var": losses.explained_variance(values, targets, weights),
@@ -85,7 +101,8 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     config_lib.validate(config)
     rt = rt_lib.make_runtime(config)
     eos_only = config.stage == "reward_model"
-    from vcppo_jax.stages import stage_meta  # noqa: PLC0415 (stages imports this module lazily)
+    from vcppo_jax.stages import provenance as stage_provenance  # noqa: PLC0415 (stages imports this module lazily)
+    from vcppo_jax.stages import stage_meta  # noqa: PLC0415
 
     sft_meta = stage_meta(config.sft_dir, "sft")
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
@@ -118,10 +135,13 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     state, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
     state = rt_lib.model_state_from_dict(state, "critic_params")
     history = meta.get("history", {"loss": [], "ev": []})
+    prov = stage_provenance(config, meta)
 
     with rt.context():
         step_fn = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
-                                          num_minibatches=config.num_minibatches),
+                                          num_minibatches=config.num_minibatches,
+                                          truncated_fraction=config.truncated_fraction,
+                                          truncated_reward=config.reward_wrong),
                           in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
@@ -159,7 +179,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                 done = is_converged or step == config.max_steps
                 if done or step % config.save_every == 0 or guard.should_stop:
                     meta = {"stage": config.stage, "model_config": sft_meta["model_config"], "done": done,
-                            "converged": is_converged, "history": history}
+                            "converged": is_converged, "history": history, "provenance": prov}
                     ckpt.save(step, rt_lib.model_state_to_dict(state, "critic_params"), meta, force=True)
                 if guard.should_stop:
                     logger.print(f"preempted: saved step {step}")

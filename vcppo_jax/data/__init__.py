@@ -8,9 +8,11 @@ from __future__ import annotations
 from vcppo_jax.data.math_tasks import load_gsm8k, load_math
 from vcppo_jax.data.source import Record, RecordSource
 from vcppo_jax.data.synthetic import load_synthetic
+from vcppo_jax.rewards import TASKS  # the task list is the verifier's: a task is defined by how it is scored
 
 _LOADERS = {'synthetic': load_synthetic, 'gsm8k': load_gsm8k, 'math': load_math}
-TASKS = tuple(_LOADERS)
+if set(_LOADERS) != set(TASKS):
+    raise ImportError(f'data loaders {tuple(_LOADERS)} and verifier tasks {TASKS} must name the same tasks')
 
 
 def load_task(name: str, split: str, *, data_dir: str, **knobs) -> RecordSource:

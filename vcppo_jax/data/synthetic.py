@@ -207,6 +207,14 @@ class SyntheticArith(tfds.core.GeneratorBasedBuilder):
             disable_shuffling=True,
         )
 
+    # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and prepared ..." for
+    # every build; nothing is downloaded here, so one line says what happens instead.
+    def _log_download_bytes(self) -> None:
+        print(f'[data] generating {self.name}/{self.builder_config.name} in {self.data_dir}', flush=True)
+
+    def _log_download_done(self) -> None:
+        pass
+
     def _split_generators(self, dl_manager: tfds.download.DownloadManager):
         del dl_manager  # nothing to download
         return {split: self._generate_examples(split) for split in SPLITS}
