@@ -522,22 +522,31 @@ def learning_markdown(table: dict[str, Any]) -> str:
     return "\n".join(lines + [""])
 
 
+def band_panels(tree: Tree, arms: dict[str, tuple[str, str]], panels: Sequence[tuple[str, int, str, str]],
+                figsize: tuple[float, float]):
+    """A 2x2 figure of seed bands vs RL step: one panel per (metric key, trailing-mean window, y label, title), one
+    band per arm {run name: (label, color)}. Returns (fig, axes [2, 2]) for the caller to finish and save."""
+    fig, axes = plt.subplots(2, 2, figsize=figsize)
+    for ax, (key, smooth, ylabel, title) in zip(axes.flat, panels):
+        for m, (label, color) in arms.items():
+            _band(ax, tree[m], key, label, color, smooth=smooth)
+        ax.set(xlabel="RL step", ylabel=ylabel, title=title)
+    return fig, axes
+
+
 def plot_learning(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
     """Greedy pass@1, sampled training accuracy, KL to the SFT policy and per-iteration policy movement vs step."""
-    present = {m: lab for m, lab in LEARNING_METHODS.items() if tree.get(m)}
+    present = [m for m in LEARNING_METHODS if tree.get(m)]
     if not present:
         return None
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     panels = [("eval/pass@1", 1, "greedy pass@1 (test split)", "(a) test accuracy, greedy"),
               ("rollout/accuracy", SMOOTH, "accuracy of the training rollouts",
                f"(b) sampled accuracy ({SMOOTH}-step trailing mean)"),
               ("probe/kl_to_sft", 1, "KL(policy || SFT) per token", "(c) drift from the SFT policy (probe prompts)"),
               ("policy/approx_kl", SMOOTH, "KL(before || after) per token",
                f"(d) movement per iteration ({SMOOTH}-step trailing mean)")]
-    for ax, (key, smooth, ylabel, title) in zip(axes.flat, panels):
-        for i, (m, label) in enumerate(present.items()):
-            _band(ax, tree[m], key, label, f"C{i}", smooth=smooth)
-        ax.set(xlabel="RL step", ylabel=ylabel, title=title)
+    arms = {m: (LEARNING_METHODS[m], f"C{i}") for i, m in enumerate(present)}
+    fig, axes = band_panels(tree, arms, panels, (12, 8))
     return _save(fig, list(axes.flat), path, "Does RL learn? mean ± std over seeds (tiny model, synthetic task)")
 
 
@@ -692,17 +701,14 @@ def plot_mechanism(tree: Tree, path: pathlib.Path, methods: Sequence[str], title
     present = [m for m in methods if tree.get(m)]
     if not present:
         return None
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9.5))
     panels = [("eval/response_length_mean", 1, "tokens", "(a) greedy response length (test prompts)"),
               ("eval/pass@1", 1, "greedy pass@1", "(b) test accuracy, greedy"),
               ("rollout/response_length_mean", SMOOTH, "tokens",
                f"(c) sampled length of the training rollouts ({SMOOTH}-step trailing mean)"),
               ("diag/adv_length_corr", SMOOTH, "correlation",
                f"(d) first-token advantage vs length, within outcome ({SMOOTH}-step mean)")]
-    for ax, (key, smooth, ylabel, sub) in zip(axes.flat, panels):
-        for m in present:
-            _band(ax, tree[m], key, MECHANISM_METHODS[m], _arm_color(m), smooth=smooth)
-        ax.set(xlabel="RL step", ylabel=ylabel, title=sub)
+    arms = {m: (MECHANISM_METHODS[m], _arm_color(m)) for m in present}
+    fig, axes = band_panels(tree, arms, panels, (13, 9.5))
     axes[1, 1].axhline(0.0, color="k", lw=0.5)
     return _save(fig, list(axes.flat), path, f"{title} -- mean ± std over seeds (tiny model, synthetic task)",
                  legend_below=True)

@@ -160,6 +160,13 @@ def gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float,
     return _multi_lambda_gae(rewards, values, mask, gamma, (lam,), impl=_check_impl(impl))
 
 
+def monte_carlo_returns(rewards: jax.Array, mask: jax.Array, *, gamma: float) -> jax.Array:
+    """The gamma-discounted sum of each valid token's future rewards: [batch, time], 0 where masked. This is GAE's
+    return with lambda = 1, which does not depend on the values (VC-PPO's value-pretraining target, and the
+    reference a critic's calibration is measured against)."""
+    return gae(rewards, jnp.zeros_like(rewards), mask, gamma=gamma, lam=1.0)[1]
+
+
 def decoupled_gae(rewards: jax.Array, values: jax.Array, mask: jax.Array, *, gamma: float, lambda_actor,
                   lambda_critic=1.0, impl: Impl | None = None) -> tuple[jax.Array, jax.Array]:
     """VC-PPO decoupled GAE: policy advantages with lambda_actor, value targets with lambda_critic, one scan.

@@ -147,7 +147,7 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
                          if hp.adaptive_lambda else hp.lambda_actor)
             advantages, returns = gae_lib.decoupled_gae(rewards, values, mask, gamma=hp.gamma,
                                                         lambda_actor=lam_actor, lambda_critic=hp.lambda_critic)
-            mc_returns = gae_lib.gae(rollout["rewards"], jnp.zeros_like(mask), mask, gamma=hp.gamma, lam=1.0)[1]
+            mc_returns = gae_lib.monte_carlo_returns(rollout["rewards"], mask, gamma=hp.gamma)
             m.update(_position_diagnostics(values, advantages, mask, hp, mc_returns=mc_returns))
             m["value/explained_var_old"] = losses.explained_variance(values, returns, mask)
         else:

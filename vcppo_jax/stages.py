@@ -98,8 +98,13 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     return json.loads(json.dumps({"task": task, "model": model}))
 
 
+def _provenance_of(workdir: str) -> dict | None:
+    """The `provenance` of the run in `workdir` (None: no checkpoint, or built before provenance was recorded)."""
+    return (ckpt_lib.read_meta(workdir) or {}).get("provenance")
+
+
 def _run_id(workdir: str) -> str | None:
-    return ((ckpt_lib.read_meta(workdir) or {}).get("provenance") or {}).get("run_id")
+    return (_provenance_of(workdir) or {}).get("run_id")
 
 
 def provenance(config: ml_collections.ConfigDict, meta: dict) -> dict[str, Any]:
@@ -120,9 +125,10 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
     dirs = dict(prerequisites(config))
     want = settings(config)
     for stage, workdir in dirs.items():
-        prov = (ckpt_lib.read_meta(workdir) or {}).get("provenance") if stage_done(workdir) else None
+        meta = ckpt_lib.read_meta(workdir) or {}  # one read per stage: a checkpoint manager each time
+        prov = meta.get("provenance") if meta.get("done") else None
         current[stage] = None if prov is None else prov["run_id"]
-        if not stage_done(workdir):
+        if not meta.get("done"):
             rebuilt.add(stage)  # missing: what was built from an older run of it is stale
             continue
         if prov is None:
@@ -138,7 +144,7 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
         if why:
             stale.append((stage, workdir, "; ".join(why)))
             rebuilt.add(stage)
-    own = (ckpt_lib.read_meta(config.workdir) or {}).get("provenance") if config.get("resume", True) else None
+    own = _provenance_of(config.workdir) if config.get("resume", True) else None
     for up, up_id in (own or {}).get("upstream", {}).items():
         if up in rebuilt or current.get(up) not in (None, up_id):
             raise ValueError(f"{config.workdir} was started from {up} run {up_id}, but {up} in {dirs[up]} is now "
@@ -149,10 +155,10 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
 
 def _move_aside(workdir: str) -> str:
     path = pathlib.Path(workdir)
-    target = path.with_name(f"{path.name}.stale-{_run_id(workdir) or 'unknown'}")
-    n = 1
+    name = f"{path.name}.stale-{_run_id(workdir) or 'unknown'}"
+    target, n = path.with_name(name), 1
     while target.exists():
-        target, n = path.with_name(f"{path.name}.stale-{_run_id(workdir) or 'unknown'}-{n}"), n + 1
+        target, n = path.with_name(f"{name}-{n}"), n + 1
     path.rename(target)
     return str(target)
 

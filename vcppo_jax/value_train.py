@@ -53,9 +53,7 @@ def value_targets(rollout: dict, *, gamma: float, eos_only: bool, truncated_frac
             target = jnp.where(truncated, truncated_reward, target)
         weights = jax.nn.one_hot(target_pos, mask.shape[1], dtype=mask.dtype) * (lengths[:, None] > 0)
         return target[:, None] * weights, weights
-    # With lambda = 1 the GAE return does not depend on the values: it is the discounted sum of future rewards.
-    _, returns = gae_lib.gae(rollout["rewards"], jnp.zeros_like(mask), mask, gamma=gamma, lam=1.0)
-    return returns, mask
+    return gae_lib.monte_carlo_returns(rollout["rewards"], mask, gamma=gamma), mask
 
 
 def converged(losses_hist: Sequence[float], ev_hist: Sequence[float], *, window: int, rtol: float,
