@@ -121,6 +121,18 @@ PROFILES = {
     "mechanism_quick": Profile(seeds=1, methods=("ppo_bias-2", "vcppo"), report="mechanism", fields={
         "rl": {"num_steps": 20, "eval_every": 10, "save_every": 10},
     }),
+    # Where reward decay bites (README, "Long responses"): 5-9 two-digit terms, chains of thought of 130-320 tokens
+    # (0.95^T < 0.002), and an SFT policy that keeps its chain of thought (30% direct answers throughout, no late
+    # phase). One seed, 30 RL steps: PPO (0.95/0.95) and VC-PPO (0.95/1.0) from the pessimistic critic (value-
+    # pretrained - 2), VC-PPO, and PPO from the calibrated critic. Value pretraining starts from the actor (no reward
+    # model). step_scale 4: RL steps here took 4-6x the default's on a shared machine (README).
+    "mechanism_long": Profile(seeds=1, methods=("ppo_bias-2", "vcppo_bias-2", "vcppo", "vcppo_no_dgae"),
+                              report="mechanism", step_scale=4.0, fields={
+        "common": {"task.knobs.min_terms": 5, "task.knobs.max_terms": 9, "task.max_prompt_len": 32,
+                   "task.max_response_len": 336},
+        "sft": {"late_steps": 0},
+        "rl": {"num_steps": 30, "eval_every": 10, "save_every": 10},
+    }),
     # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.
     "full": Profile(seeds=3, methods=("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae", "grpo", "vcppo_la0.9",
                                       "vcppo_la0.99", "vcppo_la1.0"), fields={
@@ -324,6 +336,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mechanism", action="store_true",
                    help="the mechanism study: PPO's length collapse under a biased critic and VC-PPO's fix, 3 seeds "
                         "(~2.5 h); with --quick, its one-seed collapse vs no-collapse contrast (<15 min)")
+    p.add_argument("--long", action="store_true",
+                   help="with --mechanism: its contrast on 130-320-token chains of thought, 1 seed (see README)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-sized wiring check
     p.add_argument("--only", default="", help=f"comma-separated methods out of {','.join(RECIPES)}")
     p.add_argument("--results", default=None,
@@ -347,9 +361,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             args.rl_set[field] = text  # a bare string, e.g. --set loss_agg=seq-mean-token-mean
     if args.tiny + args.learning + args.mechanism > 1 or args.quick and (args.tiny or args.learning):
         p.error("--learning, --mechanism and --tiny are exclusive, and --quick goes alone or with --mechanism")
+    if args.long and (not args.mechanism or args.quick):
+        p.error("--long goes with --mechanism (and not with --quick)")
     if args.out is None:
         args.out = ("runs/learning" if args.learning else "runs/mechanism_quick" if args.mechanism and args.quick
-                    else "runs/mechanism" if args.mechanism else "runs/reproduce")
+                    else "runs/mechanism_long" if args.long else "runs/mechanism" if args.mechanism
+                    else "runs/reproduce")
     if args.seeds is not None and args.seeds < 1:
         p.error(f"--seeds={args.seeds} must be >= 1")
     return args
@@ -357,8 +374,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    runtime.configure_console(verbose=False)  # as the entrypoints: no orbax / TFDS chatter between the runs' lines
     name = ("tiny" if args.tiny else "mechanism_quick" if args.mechanism and args.quick else "quick" if args.quick
-            else "learning" if args.learning else "mechanism" if args.mechanism else "full")
+            else "mechanism_long" if args.long else "learning" if args.learning else "mechanism" if args.mechanism
+            else "full")
     profile = PROFILES[name]
     out = pathlib.Path(args.out).resolve()
     methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)

@@ -1,5 +1,6 @@
 """Every experiment config builds and validates; bad values fail up front naming the field."""
 
+import dataclasses
 import importlib.util
 import pathlib
 import subprocess
@@ -7,8 +8,9 @@ import sys
 
 import pytest
 
+from vcppo_jax import builders, stages
 from vcppo_jax import config as config_lib
-from vcppo_jax import stages
+from vcppo_jax.models import ModelConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
@@ -59,6 +61,7 @@ def test_paper_settings():
         ("actor_optim.lr", 0.0, r"actor_optim.lr"),
         ("lambda_actor", float("nan"), r"finite"),
         ("critic_init_bias", float("inf"), r"critic_init_bias"),
+        ("model.model_type", "qwen3_moe", r"model.model_type='qwen3_moe' .*one of \('qwen2', 'llama', 'qwen3'\)"),
     ],
 )
 def test_rl_rejects_bad_values(field, value, match):
@@ -147,6 +150,13 @@ def test_every_implemented_choice_is_selectable():
         c.kl_estimator = kind
         config_lib.validate(c)
     assert config_lib.TASKS is rewards.TASKS
+    from vcppo_jax.models import config as model_config_lib  # noqa: PLC0415
+
+    assert config_lib.SUPPORTED_MODEL_TYPES is model_config_lib.SUPPORTED_MODEL_TYPES
+    for model_type in model_config_lib.SUPPORTED_MODEL_TYPES:
+        c = load("sft")
+        c.model.model_type = model_type
+        config_lib.validate(c)
     import vcppo_jax.data as data  # noqa: PLC0415
 
     assert data.TASKS is rewards.TASKS
@@ -172,3 +182,70 @@ def test_quiet_console_hides_library_chatter_not_our_warnings(caplog, monkeypatc
         logging.warning("checkpoint step 3 is unreadable; falling back")  # this project's: root logger
     assert "read_only" not in caplog.text and "backend" not in caplog.text
     assert "checkpoint step 3 is unreadable" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------- model settings
+# Recorded by a value_pretrain checkpoint of the default model before `model.model_type` existed (runs/
+# mechanism_quick): its provenance fingerprint of config.model, and its saved ModelConfig.
+RECORDED_MODEL_SETTINGS = {
+    "head_dim": 0, "hf_path": "", "hidden_size": 128, "intermediate_size": 384, "max_position_embeddings": 1024,
+    "num_heads": 4, "num_kv_heads": 2, "num_layers": 4, "qkv_bias": True, "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0, "tie_embeddings": True, "vocab_size": 0}
+RECORDED_MODEL_CONFIG = {
+    "vocab_size": 55, "hidden_size": 128, "intermediate_size": 384, "num_layers": 4, "num_heads": 4,
+    "num_kv_heads": 2, "head_dim": 32, "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-06,
+    "qkv_bias": True, "tie_embeddings": True, "max_position_embeddings": 1024, "dtype": "float32",
+    "param_dtype": "float32", "remat": False, "attention_impl": None}
+
+
+def test_model_type_keeps_stages_recorded_before_it_current():
+    """Adding model.model_type (which replaced model.qkv_bias) neither makes finished stages look stale nor breaks
+    loading the ModelConfig they saved; a Qwen3 model is fingerprinted apart from both older families."""
+    c = load("sft")
+    assert stages.settings(c)["model"] == RECORDED_MODEL_SETTINGS
+    assert builders.model_config_from_json(RECORDED_MODEL_CONFIG) == builders.model_config(c, 55)
+    c.model.model_type = "llama"
+    assert stages.settings(c)["model"] == {**RECORDED_MODEL_SETTINGS, "qkv_bias": False}
+    assert builders.model_config_from_json({**RECORDED_MODEL_CONFIG, "qkv_bias": False}).model_type == "llama"
+    c.model.model_type = "qwen3"
+    qwen3 = stages.settings(c)["model"]
+    assert qwen3["model_type"] == "qwen3" and "qkv_bias" not in qwen3
+    saved = builders.model_config_to_json(builders.model_config(c, 55))
+    assert builders.model_config_from_json(saved).qk_norm and "qkv_bias" not in saved
+
+
+def test_config_model_maps_onto_model_config_by_name():
+    c = load("sft")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    assert set(c.model) - {"hf_path"} <= fields  # hf_path: where to load from, not a hyper-parameter
+    c.model.update(model_type="qwen3", head_dim=48, num_layers=2, rms_norm_eps=1e-5, rope_theta=500.0,
+                   tie_embeddings=False, max_position_embeddings=64, dtype="bfloat16", remat=True, vocab_size=99)
+    cfg = builders.model_config(c, 55)
+    assert {k: getattr(cfg, k) for k in set(c.model) - {"hf_path"}} == {k: v for k, v in c.model.items()
+                                                                       if k != "hf_path"}
+    assert cfg.qk_norm and not cfg.qkv_bias
+    c.model.update(vocab_size=0, head_dim=0)  # 0 = the tokenizer's vocabulary / hidden_size // num_heads
+    assert (builders.model_config(c, 55).vocab_size, builders.model_config(c, 55).head_dim) == (55, 32)
+
+
+
+def _gsm8k_config(*args):
+    spec = importlib.util.spec_from_file_location("vcppo_gsm8k", stages.CONFIG_DIR / "vcppo_gsm8k.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.get_config(*args), module.MODELS
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5-0.5b", "qwen3-0.6b"])
+def test_real_model_gsm8k_recipe_configs_validate_down_to_their_stages(preset):
+    c, models = _gsm8k_config(preset)
+    config_lib.validate(c)
+    assert c.task.name == "gsm8k" and c.model.hf_path == models[preset]
+    assert len({_gsm8k_config(name)[0].workdir for name in models}) == len(models)  # presets never share runs
+    sft = stages.derived_config(c, "sft", c.sft_dir)
+    value = stages.derived_config(c, "value_pretrain", c.critic_dir)
+    # The stages get LLM-scale learning rates through stage_overrides, not the tiny model's (configs/sft.py: 3e-3).
+    assert (sft.optim.lr, value.optim.lr, c.actor_optim.lr) == (1e-5, 2e-6, 1e-6)
+    assert sft.model.hf_path == c.model.hf_path and sft.task.to_dict() == c.task.to_dict()
+    with pytest.raises(ValueError, match="unknown model preset"):
+        _gsm8k_config("llama-7b")

@@ -27,6 +27,11 @@ HF_CONFIGS = {
         num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=16))),
+    # Qwen3: no biases, per-head q/k RMSNorm before RoPE, head_dim != hidden_size / heads; tied and untied.
+    "qwen3_tied": (tr.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=24,
+                                        tie_word_embeddings=True)),
+    "qwen3_untied": (tr.Qwen3Config, dict(num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                                          tie_word_embeddings=False, rms_norm_eps=1e-5)),
 }
 B, T = 3, 11
 PADS = (0, 4, 2)  # left padding per row
@@ -121,6 +126,9 @@ def test_config_parsed_from_hf(checkpoints):
     cfg, _ = load_hf_checkpoint(checkpoints["qwen2_untied_linear"][0])
     assert cfg.qkv_bias and cfg.rms_norm_eps == 1e-5 and dict(cfg.rope_scaling) == {"rope_type": "linear",
                                                                                     "factor": 2.0}
+    cfg, variables = load_hf_checkpoint(checkpoints["qwen3_tied"][0])
+    assert (cfg.model_type, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == ("qwen3", 24, False, True)
+    assert variables["params"]["backbone"]["layers"]["attn"]["q_norm"]["scale"].shape == (2, 24)
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
@@ -129,7 +137,9 @@ def test_round_trip_export_loads_in_transformers(checkpoints, inputs, tmp_path, 
     tokens, mask, positions = inputs
     cfg, variables = load_hf_checkpoint(folder)
     save_hf_checkpoint(str(tmp_path), cfg, variables, eos_token_id=7)
-    assert json.load(open(tmp_path / "config.json"))["eos_token_id"] == 7
+    exported = json.load(open(tmp_path / "config.json"))
+    assert exported["eos_token_id"] == 7
+    assert exported["model_type"] == HF_CONFIGS[name][0].model_type  # e.g. Qwen3 (no q/k/v bias) is not Llama
     model = tr.AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
     np.testing.assert_allclose(_torch_logits(model, tokens, mask, positions)[mask], ref[mask], atol=1e-5, rtol=1e-5)
     # and back: same config, bit-identical params
@@ -171,14 +181,15 @@ def test_sharded_index_checkpoint(checkpoints, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- value head
-@pytest.fixture(scope="module")
-def value_checkpoint(tmp_path_factory, inputs):
+@pytest.fixture(scope="module", params=["qwen2_tied", "qwen3_tied"])
+def value_checkpoint(request, tmp_path_factory, inputs):
     tokens, mask, positions = inputs
     torch.manual_seed(0)
-    cfg = tr.Qwen2Config(**TINY, num_attention_heads=4, num_key_value_heads=2, num_labels=1, pad_token_id=0)
+    cfg_cls, kw = HF_CONFIGS[request.param]
+    cfg = cfg_cls(**TINY, **kw, num_labels=1, pad_token_id=0)
     model = tr.AutoModelForSequenceClassification.from_config(cfg).eval()
     _perturb(model)
-    folder = str(tmp_path_factory.mktemp("qwen2_rm"))
+    folder = str(tmp_path_factory.mktemp(f"{request.param}_rm"))
     model.save_pretrained(folder)
     return folder, _torch_logits(model, tokens, mask, positions, seq_cls=True)
 
@@ -221,9 +232,19 @@ def test_unsupported_architecture(checkpoints, tmp_path):
                    lambda hf: hf.update(model_type="gpt2", architectures=["GPT2LMHeadModel"]))
     with pytest.raises(ValueError, match="unsupported architecture: model_type 'gpt2'"):
         load_hf_checkpoint(folder)
-    sliding = _copy(checkpoints["qwen2_tied"][0], tmp_path / "sw", lambda hf: hf.update(use_sliding_window=True))
-    with pytest.raises(ValueError, match="use_sliding_window"):
-        load_hf_checkpoint(sliding)
+    moe = _copy(checkpoints["qwen3_tied"][0], tmp_path / "moe",
+                lambda hf: hf.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]))
+    with pytest.raises(ValueError, match=r"model_type 'qwen3_moe' .*supported model_type values: "
+                                         r"\('qwen2', 'llama', 'qwen3'\)"):
+        load_hf_checkpoint(moe)
+    for name in ("qwen2_tied", "qwen3_tied"):
+        sliding = _copy(checkpoints[name][0], tmp_path / f"sw_{name}", lambda hf: hf.update(use_sliding_window=True))
+        with pytest.raises(ValueError, match="use_sliding_window"):
+            load_hf_checkpoint(sliding)
+    layer_types = ["full_attention", "sliding_attention"]
+    mixed = _copy(checkpoints["qwen3_tied"][0], tmp_path / "mixed", lambda hf: hf.update(layer_types=layer_types))
+    with pytest.raises(ValueError, match=r"unsupported Qwen3 config: layer_types \['sliding_attention'\]"):
+        load_hf_checkpoint(mixed)
 
 
 def test_shape_mismatch_names_tensor(checkpoints, tmp_path):

@@ -35,6 +35,14 @@ def test_metric_writer_jsonl_and_tensorboard(tmp_path):
     with mt.MetricWriter(tmp_path, tensorboard=False) as w:  # resume: appends, last record per step wins
         w.write(2, {"policy/loss": 0.125})
     assert [r["policy/loss"] for r in mt.read_metrics(tmp_path)] == [0.5, 0.125]
+    with mt.MetricWriter(tmp_path, tensorboard=False) as w:  # each record is on disk once written (line-buffered)
+        w.write(3, {"policy/loss": 0.0625})
+        assert json.loads(open(tmp_path / mt.METRICS_FILE).read().splitlines()[-1])["step"] == 3
+    with open(tmp_path / mt.METRICS_FILE, "a") as f:  # a process killed while writing a record
+        f.write('{"step": 4, "policy/lo')
+    with mt.MetricWriter(tmp_path, tensorboard=False) as w:  # the resumed run drops the torn record
+        w.write(4, {"policy/loss": 0.03125})
+    assert [r["policy/loss"] for r in mt.read_metrics(tmp_path)] == [0.5, 0.125, 0.0625, 0.03125]
     tb_files = glob.glob(os.path.join(tmp_path, "events.out.tfevents.*"))
     assert len(tb_files) == 1 and os.path.getsize(tb_files[0]) > 0
     with pytest.raises(ValueError, match="reserved key 'step'"):

@@ -172,8 +172,9 @@ def test_remat_gives_same_outputs_and_grads(params, batch):
 
 
 # ------------------------------------------------------------------------------------------------ params tree
-@pytest.mark.parametrize("model", [CausalLM(CFG), CausalLM(CFG.replace(tie_embeddings=True)), ValueModel(CFG)],
-                         ids=["causal_lm", "causal_lm_tied", "value_model"])
+@pytest.mark.parametrize("model", [CausalLM(CFG), CausalLM(CFG.replace(tie_embeddings=True)), ValueModel(CFG),
+                                   CausalLM(CFG.replace(model_type="qwen3"))],
+                         ids=["causal_lm", "causal_lm_tied", "value_model", "qwen3"])
 def test_logical_axis_names_on_every_param(model):
     abstract = abstract_params(model)
     boxes = jax.tree.leaves(abstract, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
@@ -188,6 +189,8 @@ def test_logical_axis_names_on_every_param(model):
         assert (spec[0] == "layers") == ("layers" in jax.tree_util.keystr(path)), path
         if spec[0] == "layers":
             assert leaf.shape[0] == CFG.num_layers
+    qk_norms = [tuple(spec_of[p]) for p, _ in flat if any(n in jax.tree_util.keystr(p) for n in ("q_norm", "k_norm"))]
+    assert qk_norms == ([("layers", "head_dim")] * 2 if model.cfg.qk_norm else [])  # one scale shared by all heads
     top = set(abstract["params"])
     want = {CausalLM: {"backbone", "lm_head"}, ValueModel: {"backbone", "value_head"}}[type(model)]
     assert top == (want - {"lm_head"} if model.cfg.tie_embeddings else want)
@@ -348,10 +351,23 @@ def test_config_validation_errors():
         ModelConfig(**base, head_dim=3)
     with pytest.raises(ValueError, match="attention_impl"):
         ModelConfig(**base, attention_impl="flash")
+    with pytest.raises(ValueError, match=r"model_type must be one of \('qwen2', 'llama', 'qwen3'\), got 'qwen3_moe'"):
+        ModelConfig(**base, model_type="qwen3_moe")
+
+
+@pytest.mark.parametrize("model_type, qkv_bias, qk_norm", [("qwen2", True, False), ("llama", False, False),
+                                                           ("qwen3", False, True)])
+def test_model_type_decides_attention_variant(model_type, qkv_bias, qk_norm):
+    cfg = CFG.replace(model_type=model_type, head_dim=32)  # head_dim != hidden_size / num_heads = 16
+    assert (cfg.qkv_bias, cfg.qk_norm) == (qkv_bias, qk_norm)
+    params = nn.unbox(abstract_params(CausalLM(cfg)))["params"]
+    attn = params["backbone"]["layers"]["attn"]
+    assert ("bias" in attn["q_proj"]) == qkv_bias and ("q_norm" in attn) == ("k_norm" in attn) == qk_norm
+    assert cfg.num_params == sum(x.size for x in jax.tree.leaves(params))
 
 
 def test_config_hf_round_trip_and_hashing():
-    cfg = CFG.replace(qkv_bias=False, rope_scaling={"type": "linear", "factor": 4.0, "rope_theta": 1.0})
+    cfg = CFG.replace(model_type="llama", rope_scaling={"type": "linear", "factor": 4.0, "rope_theta": 1.0})
     assert dict(cfg.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
     hf = cfg.to_hf_dict()
     assert hf["model_type"] == "llama" and hf["architectures"] == ["LlamaForCausalLM"]
@@ -367,3 +383,15 @@ def test_config_hf_round_trip_and_hashing():
         ModelConfig.from_hf_dict({**hf, "model_type": "gpt2"})
     with pytest.raises(ValueError, match="attention_bias"):
         ModelConfig.from_hf_dict({**hf, "attention_bias": True})
+    qwen3 = CFG.replace(model_type="qwen3", head_dim=32)
+    hf = qwen3.to_hf_dict(head="sequence_classification")
+    assert hf["model_type"] == "qwen3" and hf["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert not hf["attention_bias"] and not hf["use_sliding_window"]
+    assert ModelConfig.from_hf_dict(hf) == qwen3
+    sliding_layers = ["full_attention", "sliding_attention"]
+    for bad, match in [({"use_sliding_window": True}, "Qwen3 config: use_sliding_window"),
+                       ({"layer_types": sliding_layers}, r"Qwen3 config: layer_types \['sliding_attention'\]"),
+                       ({"attention_bias": True}, "Qwen3 config: attention_bias"),
+                       ({"model_type": "qwen3_moe"}, r"model_type 'qwen3_moe'.*\('qwen2', 'llama', 'qwen3'\)")]:
+        with pytest.raises(ValueError, match=match):
+            ModelConfig.from_hf_dict({**hf, **bad})

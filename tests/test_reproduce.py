@@ -235,6 +235,20 @@ def test_mechanism_plan_pessimistic_reward_model_feeds_value_pretraining_and_the
     assert sum(reproduce.estimate_seconds(r) for r in full) < 2.7 * 3600
 
 
+def test_long_mechanism_profile_reaches_every_stage(tmp_path):
+    profile = reproduce.PROFILES["mechanism_long"]
+    assert set(profile.methods) <= set(plot_results.MECHANISM_METHODS)
+    plan = reproduce.build_plan(tmp_path, [0], list(profile.methods), profile)
+    assert [r.name for r in plan] == ["sft", "value_pretrain", *profile.methods]
+    for r in plan:  # the long task (and room for its chains of thought) in every stage, not only in RL
+        assert (r.config.task.knobs.min_terms, r.config.task.knobs.max_terms) == (5, 9)
+        assert (r.config.task.max_prompt_len, r.config.task.max_response_len) == (32, 336)
+    by = {r.name: r.config for r in plan}
+    assert by["sft"].late_steps == 0 and by["value_pretrain"].critic_init == "actor"
+    assert by["ppo_bias-2"].critic_init_bias == by["vcppo_bias-2"].critic_init_bias == -2.0
+    assert {by[m].num_steps for m in profile.methods} == {30}
+
+
 def test_first_sustained_step_is_when_the_warning_rule_would_fire():
     recs = [{"step": i + 1, "c": v, "e": -1.0} for i, v in enumerate([-0.5, -0.4, 0.1, -0.5, -0.6, None, -0.7, -0.9])]
     recs[6]["e"] = 0.0
@@ -432,7 +446,8 @@ def test_variant_reuses_finished_stages_and_overrides_rl_fields(tmp_path, monkey
 @pytest.mark.parametrize("argv, profile, out", [
     ([], "full", "runs/reproduce"), (["--quick"], "quick", "runs/reproduce"),
     (["--learning"], "learning", "runs/learning"), (["--mechanism"], "mechanism", "runs/mechanism"),
-    (["--mechanism", "--quick"], "mechanism_quick", "runs/mechanism_quick")])
+    (["--mechanism", "--quick"], "mechanism_quick", "runs/mechanism_quick"),
+    (["--mechanism", "--long"], "mechanism_long", "runs/mechanism_long")])
 def test_profile_flags_choose_profile_and_out(monkeypatch, argv, profile, out):
     seen = {}
     monkeypatch.setattr(reproduce, "build_plan", lambda out_dir, seeds, methods, prof, *a: seen.update(
@@ -444,7 +459,7 @@ def test_profile_flags_choose_profile_and_out(monkeypatch, argv, profile, out):
 
 
 @pytest.mark.parametrize("argv", [["--learning", "--mechanism"], ["--quick", "--learning"], ["--tiny", "--quick"],
-                                  ["--mechanism", "--tiny"]])
+                                  ["--mechanism", "--tiny"], ["--long"], ["--mechanism", "--long", "--quick"]])
 def test_exclusive_profile_flags(argv):
     with pytest.raises(SystemExit):
         reproduce.parse_args(argv)

@@ -176,6 +176,15 @@ def test_multihost_detection_from_env(monkeypatch):
     assert shd.maybe_initialize_distributed(num_processes=1) is False
     with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
         shd.maybe_initialize_distributed("localhost:1", num_processes=2, process_id=2)
+    # A multi-node GPU launch without SLURM/MPI: the count and the id come from the environment (the 2-process
+    # run of tests/test_multihost.py starts this way).
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("JAX_PROCESS_ID", "2")
+    with pytest.raises(ValueError, match=r"process_id=2 must be in \[0, num_processes=2\)"):
+        shd.maybe_initialize_distributed("localhost:1")
+    monkeypatch.setenv("JAX_PROCESS_ID", "one")
+    with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
+        shd.maybe_initialize_distributed("localhost:1")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
 import ml_collections
 
 from vcppo_jax import rewards
@@ -27,7 +28,16 @@ def tokenizer(config: ml_collections.ConfigDict):
 
 
 def task_source(config: ml_collections.ConfigDict, split: str) -> RecordSource:
-    return load_task(config.task.name, split, data_dir=data_dir(config), **config.task.knobs.to_dict())
+    """The task's `split`; built on first use. Multi-host: process 0 builds it while the others wait, so that no two
+    processes write the same dataset folder (every process must call this)."""
+    load = lambda: load_task(config.task.name, split, data_dir=data_dir(config), **config.task.knobs.to_dict())
+    if jax.process_count() == 1:
+        return load()
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    source = load() if jax.process_index() == 0 else None
+    multihost_utils.sync_global_devices(f"vcppo task_source {split}")
+    return source if source is not None else load()
 
 
 def verifier(config: ml_collections.ConfigDict):
@@ -35,13 +45,13 @@ def verifier(config: ml_collections.ConfigDict):
 
 
 def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
-    """The from-scratch decoder described by `config.model` (HF checkpoints carry their own config)."""
-    m = config.model
-    return ModelConfig(
-        vocab_size=m.vocab_size or vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-        num_layers=m.num_layers, num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim or None,
-        rope_theta=m.rope_theta, rms_norm_eps=m.rms_norm_eps, qkv_bias=m.qkv_bias, tie_embeddings=m.tie_embeddings,
-        max_position_embeddings=m.max_position_embeddings, dtype=m.dtype, remat=m.remat)
+    """The from-scratch decoder described by `config.model` (HF checkpoints carry their own config): each field is
+    the ModelConfig field of the same name, except `hf_path`."""
+    fields = {k: v for k, v in config.model.to_dict().items() if k != "hf_path"}
+    # A ConfigDict field cannot switch between int and None, so 0 stands for "not set" in these two.
+    fields["vocab_size"] = fields["vocab_size"] or vocab_size
+    fields["head_dim"] = fields["head_dim"] or None
+    return ModelConfig(**fields)
 
 
 def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
@@ -51,7 +61,13 @@ def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_from_json(d: dict[str, Any], config: ml_collections.ConfigDict | None = None) -> ModelConfig:
-    """Saved architecture, with this run's compute options (dtype, remat) applied on top."""
+    """Saved architecture, with this run's compute options (dtype, remat) applied on top.
+
+    Configs saved before `model_type` existed name the family by `qkv_bias` instead (True: qwen2, False: llama).
+    """
+    d = dict(d)
+    if "qkv_bias" in d:
+        d["model_type"] = "qwen2" if d.pop("qkv_bias") else "llama"
     cfg = ModelConfig(**d)
     if config is not None:
         cfg = cfg.replace(dtype=config.model.dtype, remat=config.model.remat)

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import ml_collections
 
 from vcppo_jax.losses import AGG_MODES, KL_KINDS
+from vcppo_jax.models.config import SUPPORTED_MODEL_TYPES
 from vcppo_jax.rewards import TASKS
 
 ALGORITHMS = ("vcppo", "ppo", "grpo")
@@ -31,9 +32,13 @@ class ConfigError(ValueError):
 
 
 def model_config() -> ml_collections.ConfigDict:
-    """A tiny Qwen2-style decoder that trains on 2 CPU cores; `hf_path` loads a real checkpoint instead."""
+    """A tiny Qwen2-style decoder that trains on 2 CPU cores; `hf_path` loads a real checkpoint instead.
+
+    Every field but `hf_path` is the `ModelConfig` field of the same name (`builders.model_config`).
+    """
     return ml_collections.ConfigDict(dict(
         hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
+        model_type="qwen2",  # a SUPPORTED_MODEL_TYPES family; it decides q/k/v biases (qwen2) and q/k norms (qwen3).
         vocab_size=0,  # 0 = take it from the tokenizer.
         hidden_size=128,
         intermediate_size=384,
@@ -43,7 +48,6 @@ def model_config() -> ml_collections.ConfigDict:
         head_dim=0,  # 0 = hidden_size // num_heads.
         rope_theta=10000.0,
         rms_norm_eps=1e-6,
-        qkv_bias=True,
         tie_embeddings=True,
         max_position_embeddings=1024,
         dtype="float32",
@@ -106,11 +110,13 @@ def sampling_config() -> ml_collections.ConfigDict:
 
 def stage_overrides() -> ml_collections.ConfigDict:
     """Fields applied to an earlier stage's config when this run starts it itself (None = keep the file's value),
-    e.g. `--config.stage_overrides.sft.num_steps=200`."""
+    e.g. `--config.stage_overrides.sft.num_steps=200`; `lr` sets the stage's `optim.lr` (the files' rates suit the
+    tiny CPU model, not a pretrained LLM)."""
     unset = lambda: ml_collections.config_dict.placeholder(int)
-    value = lambda: dict(max_steps=unset(), min_steps=unset(), prompts_per_step=unset(), group_size=unset())
+    lr = lambda: ml_collections.config_dict.placeholder(float)
+    value = lambda: dict(max_steps=unset(), min_steps=unset(), prompts_per_step=unset(), group_size=unset(), lr=lr())
     reward_model = dict(value(), truncated_fraction=ml_collections.config_dict.placeholder(float))
-    return ml_collections.ConfigDict(dict(sft=dict(num_steps=unset(), batch_size=unset(), eval_every=unset()),
+    return ml_collections.ConfigDict(dict(sft=dict(num_steps=unset(), batch_size=unset(), eval_every=unset(), lr=lr()),
                                           value_pretrain=value(), reward_model=reward_model))
 
 
@@ -278,6 +284,7 @@ def _validate_common(c) -> None:
         _fail("workdir", c.workdir, "must be a non-empty path")
     m = c.model
     if not m.hf_path:
+        _check_choice(c, "model.model_type", SUPPORTED_MODEL_TYPES)
         for f in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                   "max_position_embeddings"):
             _check_int(c, f"model.{f}", 1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -68,7 +69,10 @@ class MetricWriter:
         if not self._active:
             return
         os.makedirs(self.workdir, exist_ok=True)
-        self._file = open(os.path.join(self.workdir, METRICS_FILE), "a", encoding="utf-8")
+        path = os.path.join(self.workdir, METRICS_FILE)
+        _drop_torn_tail(path)
+        # Line-buffered: each record reaches the OS as it is written, so a killed run loses no finished line.
+        self._file = open(path, "a", encoding="utf-8", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional dependency: only needed when enabled
 
@@ -116,6 +120,20 @@ class MetricWriter:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _drop_torn_tail(path: str) -> None:
+    """Cuts a last line without its newline (a record a killed process was writing), so that a resumed run's
+    first record does not continue it."""
+    if not os.path.exists(path):
+        return
+    with open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            keep = data.rfind(b"\n") + 1
+            logging.warning("%s: dropping a torn last record (%d bytes) left by an interrupted run", path,
+                            len(data) - keep)
+            f.truncate(keep)
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -138,6 +138,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                                show=("rollout/accuracy", "rollout/response_length_mean", "value/explained_var",
                                      "diag/adv_length_corr"))
     timer = Timer()
+    rows = rt.local_rows(batch)  # this process's rows of each step's batch
     # Histories of the collapse signals (metrics.collapse_warning), kept in the checkpoint meta across resumes.
     collapse_history: dict[str, list[float]] = {k: list(v) for k, v in meta.get("collapse_signals", {}).items()}
     last_eval: dict = dict(meta.get("eval", {}))
@@ -145,7 +146,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     def run_eval(step: int) -> None:
         nonlocal last_eval
         kw = dict(num_prompts=config.eval_prompts, batch_size=min(config.eval_prompts, batch), max_prompt_len=P,
-                  correct=config.reward_correct, rng=key, place=rt.place_batch)
+                  correct=config.reward_correct, rng=key, io=rt)
         last_eval = evaluate(greedy, state.actor.params, test, tok, verifier, **kw)
         if config.eval_kl_to_sft:
             # The same prompts sampled as in training: sampled pass@1 and the drift from the SFT policy.
@@ -165,21 +166,23 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
                     pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
                     rollout, _ = generate_and_score(sampler, state.actor.params, pb, jax.random.fold_in(key, step),
-                                                    tok, verifier, rt.place_batch)
+                                                    tok, verifier, rt)
                     # The control trains on permuted rewards; rollout stats below still report the true ones.
-                    train_rollout = (shuffle_rewards(rollout, np.random.default_rng([config.seed, step]))
+                    train_rollout = (shuffle_rewards(rollout, np.random.default_rng([config.seed, step]), rows, rt)
                                      if config.shuffle_rewards else rollout)
                 with timer.section("experience"):
                     experience, m_exp = make_experience(state, rt.place_batch(train_rollout))
                 with timer.section("update"):
                     state, m_up = update(state, experience)
-                    m, actor_updates = jax.device_get(({**m_exp, **m_up}, state.actor.step))
+                    m, actor_updates = rt.fetch(({**m_exp, **m_up}, state.actor.step))
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 m = {k: float(v) for k, v in m.items()}
-                m.update(rollout_stats(rollout, config.reward_correct, R))
+                whole = rt.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
+                                   "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
+                m.update(rollout_stats(whole, config.reward_correct, R))
                 # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).
                 m["policy/lr"] = float(learning_rate(config.actor_optim, max(int(actor_updates) - 1, 0)))
-                m.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
+                m.update(timer.summary(num_tokens=int(whole["num_tokens"].sum())))
                 for signal in ("adv_length_corr", "value_err_first"):  # meta keys without '/'
                     collapse_history.setdefault(signal, []).append(m.get(f"diag/{signal}", 0.0))  # GRPO: no error
                 warning = metrics_lib.collapse_warning(collapse_history["adv_length_corr"],
@@ -190,12 +193,14 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                 done = step + 1 == config.num_steps
                 if (step + 1) % config.eval_every == 0 or done:
                     run_eval(step + 1)
-                if done or (step + 1) % config.save_every == 0 or guard.should_stop:
+                # Collective: every host saves the same step, even if only one was signalled.
+                stop = guard.should_stop_any()
+                if done or (step + 1) % config.save_every == 0 or stop:
                     meta = {"stage": "rl", "algorithm": config.algorithm, "done": done, "eval": last_eval,
                             "collapse_signals": collapse_history, "model_config": sft_meta["model_config"],
                             "provenance": prov}
                     ckpt.save(step + 1, state_to_dict(state), meta, force=True)
-                if guard.should_stop:
+                if stop:
                     logger.print(f"preempted: saved step {step + 1}")
                     break
     finally:

@@ -1,12 +1,16 @@
 """Host side of a rollout: prompts -> sampled responses -> verifier rewards -> the RL batch layout; evaluation.
 
 The sampler and every network call are jitted elsewhere; this module only moves numpy arrays and strings.
+
+Multi-host: every process builds the same global prompt batch, feeds its own rows of it (`HostIO.local_rows`),
+decodes and scores only those, and gathers what a statistic needs over the whole batch. `HostIO` is that interface
+(`runtime.Runtime` implements it over a mesh); the default, `SINGLE_HOST`, is the identity for one process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -22,6 +26,40 @@ class PromptBatch:
     tokens: np.ndarray  # [B, P] int32, left-padded
     mask: np.ndarray  # [B, P] int32
     answers: list[str]  # [B]
+
+    def rows(self, rows: slice) -> "PromptBatch":
+        return PromptBatch(tokens=self.tokens[rows], mask=self.mask[rows], answers=self.answers[rows])
+
+
+class HostIO(Protocol):
+    """Moves batches between this process and the devices (see the module docstring)."""
+
+    def place_batch(self, tree: Any) -> Any: ...  # this process's rows -> global device arrays
+
+    def fetch(self, tree: Any) -> Any: ...  # device results -> numpy, this process's rows
+
+    def local_rows(self, batch_size: int) -> slice: ...
+
+    def gather(self, tree: Any, rows: slice) -> Any: ...  # this process's rows -> the whole batch (collective)
+
+
+class SingleHost:
+    """`HostIO` of one process holding the whole batch (numpy in, `jax.device_get` out)."""
+
+    def place_batch(self, tree: Any) -> Any:
+        return tree
+
+    def fetch(self, tree: Any) -> Any:
+        return jax.device_get(tree)
+
+    def local_rows(self, batch_size: int) -> slice:
+        return slice(0, batch_size)
+
+    def gather(self, tree: Any, rows: slice) -> Any:
+        return tree
+
+
+SINGLE_HOST = SingleHost()
 
 
 def prompt_batch(source: RecordSource, indices: Sequence[int], tokenizer, *, max_prompt_len: int,
@@ -52,23 +90,26 @@ def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarr
                 sample_logp=np.asarray(out.logprobs, np.float32))
 
 
-def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """The shuffled-reward control: sequence rewards permuted across the rows of the batch, then placed at each
-    row's own last token. Keeps the reward distribution and every length; removes any link to the response."""
-    seq_rewards = rollout["seq_rewards"][rng.permutation(len(rollout["seq_rewards"]))]
+def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator, rows: slice | None = None,
+                    io: HostIO = SINGLE_HOST) -> dict[str, np.ndarray]:
+    """The shuffled-reward control: sequence rewards permuted across the rows of the (global) batch, then placed at
+    each row's own last token. Keeps the reward distribution and every length; removes any link to the response.
+    rows: which rows of the global batch `rollout` holds (None: all of it)."""
+    rows = slice(0, len(rollout["seq_rewards"])) if rows is None else rows
+    seq_rewards = io.gather(rollout["seq_rewards"], rows)
+    seq_rewards = seq_rewards[rng.permutation(len(seq_rewards))][rows]
     return dict(rollout, seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout["response_mask"]))
 
 
 def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,
-                       verifier: Callable, place: Callable = lambda x: x) -> tuple[dict[str, np.ndarray], list[str]]:
-    """Samples one response per row of `batch`, scores it, returns (rollout, response texts).
-
-    place: puts a host batch on the devices (e.g. `sharding.shard_batch(x, mesh)`).
-    """
-    out = jax.device_get(sampler(params, place(batch.tokens), place(batch.mask), rng))
+                       verifier: Callable, io: HostIO = SINGLE_HOST) -> tuple[dict[str, np.ndarray], list[str]]:
+    """Samples one response per row of the global `batch`, scores this process's rows (`io.local_rows`), returns
+    (rollout, response texts) of those rows."""
+    local = batch.rows(io.local_rows(len(batch.answers)))
+    out = io.fetch(sampler(params, io.place_batch(local.tokens), io.place_batch(local.mask), rng))
     texts = decode_responses(tokenizer, out)
-    seq_rewards = score_batch(verifier, texts, batch.answers)
-    return to_rollout(out, batch.mask, seq_rewards), texts
+    seq_rewards = score_batch(verifier, texts, local.answers)
+    return to_rollout(out, local.mask, seq_rewards), texts
 
 
 def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) -> dict[str, float]:
@@ -85,8 +126,9 @@ def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) 
 
 def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
              batch_size: int, max_prompt_len: int, correct: float, rng: jax.Array, prefix: str = "eval",
-             place: Callable = lambda x: x, ref_logprobs: Callable | None = None) -> dict[str, float]:
-    """pass@1 (one sample per prompt from `sampler`) and response length on the first `num_prompts` records.
+             io: HostIO = SINGLE_HOST, ref_logprobs: Callable | None = None) -> dict[str, float]:
+    """pass@1 (one sample per prompt from `sampler`) and response length on the first `num_prompts` records
+    (each process scores its rows of each batch; the numbers are over all of them).
 
     `direct_fraction` counts single-line answers (no scratchpad): the short style a collapsing policy falls into.
     ref_logprobs: `fn(tokens [B, P+R], attn_mask [B, P+R]) -> [B, R]` log-probs of the response tokens under a
@@ -97,21 +139,22 @@ def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifie
     num_prompts -= num_prompts % batch_size
     if num_prompts < batch_size:
         raise ValueError(f"evaluation needs at least one batch of {batch_size} prompts; the split has {len(source)}")
-    rewards, lengths, single_line, log_ratio_sum = [], [], [], 0.0
+    rows = io.local_rows(batch_size)
+    per_row: list[dict[str, np.ndarray]] = []
     for start in range(0, num_prompts, batch_size):
         batch = prompt_batch(source, range(start, start + batch_size), tokenizer, max_prompt_len=max_prompt_len)
         rollout, texts = generate_and_score(sampler, params, batch, jax.random.fold_in(rng, start), tokenizer,
-                                            verifier, place)
-        rewards.append(rollout["seq_rewards"])
-        lengths.append(rollout["response_mask"].sum(axis=1))
-        single_line.extend("\n" not in t.strip() for t in texts)
+                                            verifier, io)
+        row = {"reward": rollout["seq_rewards"], "length": rollout["response_mask"].sum(axis=1),
+               "single_line": np.array(["\n" not in t.strip() for t in texts])}
         if ref_logprobs is not None:
-            ref = np.asarray(jax.device_get(ref_logprobs(place(rollout["tokens"]), place(rollout["attn_mask"]))))
-            log_ratio_sum += float(((rollout["sample_logp"] - ref) * rollout["response_mask"]).sum())
-    rewards, lengths = np.concatenate(rewards), np.concatenate(lengths)
-    out = {f"{prefix}/pass@1": float((rewards >= correct).mean()),
-           f"{prefix}/response_length_mean": float(lengths.mean()),
-           f"{prefix}/direct_fraction": float(np.mean(single_line))}
+            ref = io.fetch(ref_logprobs(io.place_batch(rollout["tokens"]), io.place_batch(rollout["attn_mask"])))
+            row["log_ratio"] = ((rollout["sample_logp"] - ref) * rollout["response_mask"]).sum(axis=1)
+        per_row.append(io.gather(row, rows))
+    r = {k: np.concatenate([b[k] for b in per_row]) for k in per_row[0]}
+    out = {f"{prefix}/pass@1": float((r["reward"] >= correct).mean()),
+           f"{prefix}/response_length_mean": float(r["length"].mean()),
+           f"{prefix}/direct_fraction": float(np.mean(r["single_line"]))}
     if ref_logprobs is not None:
-        out[f"{prefix}/kl_to_ref"] = log_ratio_sum / max(float(lengths.sum()), 1.0)
+        out[f"{prefix}/kl_to_ref"] = float(r["log_ratio"].sum()) / max(float(r["length"].sum()), 1.0)
     return out

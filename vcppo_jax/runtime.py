@@ -29,8 +29,25 @@ class Runtime:
     rules: Any
 
     def place_batch(self, tree):
-        """Host numpy batch -> global arrays split over ('data', 'fsdp')."""
+        """This process's rows of a host batch (`local_rows`) -> global arrays split over ('data', 'fsdp')."""
         return sharding.shard_batch(tree, self.mesh)
+
+    def local_rows(self, batch_size: int) -> slice:
+        """The rows of a global batch this process feeds and reads back (all of them on one host)."""
+        return sharding.local_rows(self.mesh, batch_size)
+
+    def fetch(self, tree):
+        """Device results -> numpy: batch-sharded leaves as this process's rows, replicated leaves whole."""
+        return sharding.fetch_local(tree)
+
+    def gather(self, tree, rows: slice):
+        """This process's `rows` of a host batch -> the whole batch on every process (collective)."""
+        return sharding.gather_rows(tree, rows)
+
+    @property
+    def is_main(self) -> bool:
+        """The process that prints and writes metrics (checkpoints are written by every process)."""
+        return jax.process_index() == 0
 
     def shardings(self, abstract_boxed):
         return sharding.logical_shardings(abstract_boxed, self.mesh, self.rules)
@@ -106,8 +123,9 @@ class StepLogger:
         self._show = show
         self._max_bad = config.max_bad_steps
         self._bad_in_a_row = 0
-        self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc, disable=not config.progress_bar,
-                              dynamic_ncols=True, file=sys.stdout)
+        self._main = jax.process_index() == 0  # one console and one metrics file per run, not one per host
+        self._bar = tqdm.tqdm(total=total, initial=initial, desc=desc,
+                              disable=not (config.progress_bar and self._main), dynamic_ncols=True, file=sys.stdout)
         self._desc, self._workdir, self._step, self._total = desc, config.workdir, initial, total
         self.print(f"[{desc}] {config.workdir}: " + (f"resuming at step {initial} of {total}" if initial
                                                       else f"{total} steps"))
@@ -126,7 +144,8 @@ class StepLogger:
         self.print(f"step {step}: " + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())))
 
     def print(self, text: str) -> None:
-        self._bar.write(text)
+        if self._main:
+            self._bar.write(text)
 
     def count_nonfinite(self, step: int, nonfinite: float) -> None:
         """Counts steps with skipped (non-finite) updates; raises after `max_bad_steps` in a row."""
@@ -148,7 +167,8 @@ class StepLogger:
     def close(self) -> None:
         self._bar.close()
         self._writer.close()
-        print(f"[{self._desc}] stopped at step {self._step} of {self._total}: {self._workdir}", flush=True)
+        if self._main:
+            print(f"[{self._desc}] stopped at step {self._step} of {self._total}: {self._workdir}", flush=True)
 
 
 def checkpointer(config: ml_collections.ConfigDict) -> ckpt_lib.Checkpointer:

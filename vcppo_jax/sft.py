@@ -93,11 +93,12 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
         nonlocal last_eval
         last_eval = evaluate(sampler, state.params, test, tok, verifier, num_prompts=config.eval_prompts,
                              batch_size=min(config.eval_prompts, config.batch_size), max_prompt_len=P,
-                             correct=correct, rng=jax.random.PRNGKey(config.seed), place=rt.place_batch)
+                             correct=correct, rng=jax.random.PRNGKey(config.seed), io=rt)
         logger.write(step, last_eval)
 
     logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc="sft", show=("sft/loss",))
     timer = Timer()
+    rows = rt.local_rows(config.batch_size)  # this process's rows of each batch
     try:
         with ckpt_lib.preemption_guard() as guard, rt.context():
             for step in range(start, config.num_steps):
@@ -107,22 +108,25 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
                     direct = use_direct_style(idx, config.seed, direct_fraction(config, step))
                     targets = [r["direct"] if d and "direct" in r else r["cot"] for r, d in zip(records, direct)]
                     enc = encode_sft(tok, [r["prompt"] for r in records], targets, P, R, truncate=True)
+                    num_tokens = int(enc["attention_mask"].sum())
+                    enc = {k: v[rows] for k, v in enc.items()}
                     batch = rt.place_batch({"tokens": enc["tokens"], "attn_mask": enc["attention_mask"] > 0,
                                             "response_mask": enc["response_mask"].astype(np.float32)})
                 with timer.section("update"):
                     state, m = step_fn(state, batch)
-                    m = jax.device_get(m)
+                    m = rt.fetch(m)
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 m["sft/lr"] = float(learning_rate(config.optim, step))
-                m.update(timer.summary(num_tokens=int(enc["attention_mask"].sum())))
+                m.update(timer.summary(num_tokens=num_tokens))
                 logger.log(step + 1, m)
                 done = step + 1 == config.num_steps
                 if (step + 1) % config.eval_every == 0 or done:
                     run_eval(step + 1)
-                if done or (step + 1) % config.save_every == 0 or guard.should_stop:
+                stop = guard.should_stop_any()  # collective: every host saves the same step
+                if done or (step + 1) % config.save_every == 0 or stop:
                     ckpt.save(step + 1, rt_lib.model_state_to_dict(state), dict(meta, done=done, eval=last_eval),
                               force=True)
-                if guard.should_stop:
+                if stop:
                     logger.print(f"preempted: saved step {step + 1}")
                     break
             if start >= config.num_steps and not last_eval:

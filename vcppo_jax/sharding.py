@@ -257,6 +257,55 @@ def shard_batch(batch: Any, mesh: Mesh) -> Any:
     return jax.tree.map(one, batch)
 
 
+def local_rows(mesh: Mesh, batch_size: int) -> slice:
+    """The rows of a global batch of `batch_size` that this process feeds to (and gets back from) the devices.
+
+    Every process builds the same global host batch (prompts come from (seed, step)); it passes `batch[rows]` to
+    `shard_batch` and reads `fetch_local` results as those rows. One host: all rows.
+    """
+    index_map = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    spans = sorted({(idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+                    for idx in index_map.values()})
+    start, stop = spans[0][0], spans[-1][1]
+    if sum(b - a for a, b in spans) != stop - start:  # make_array_from_process_local_data needs one block
+        raise ValueError(f"this process's devices hold non-contiguous rows {spans} of the batch; order the mesh's "
+                         "devices by process")
+    return slice(start, stop)
+
+
+def fetch_local(tree: Any) -> Any:
+    """Global arrays -> numpy: each batch-sharded leaf as this process's rows (`local_rows`, in order), each
+    replicated leaf (scalars, metrics) whole. One host: `jax.device_get`."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        blocks = {s.index[0].start or 0: s.data for s in x.addressable_shards}  # replicas share a start
+        return np.concatenate([np.asarray(blocks[k]) for k in sorted(blocks)], axis=0)
+
+    return jax.tree.map(one, tree)
+
+
+def gather_rows(tree: Any, rows: slice) -> Any:
+    """Process-local host rows (this process's `rows` of a global batch) -> the whole batch on every process.
+    Collective on multi-host: every process must call it with leaves of the same shapes. One host: unchanged."""
+    if jax.process_count() == 1:
+        return tree
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    starts = np.asarray(multihost_utils.process_allgather(np.asarray(rows.start, np.int64))).reshape(-1)
+
+    def one(x: Any) -> np.ndarray:
+        x = np.asarray(x)
+        parts = np.asarray(multihost_utils.process_allgather(x))  # [processes, local rows, ...]
+        out = np.empty((int(max(starts)) + x.shape[0],) + x.shape[1:], x.dtype)
+        for start, part in zip(starts, parts):
+            out[start:start + x.shape[0]] = part  # processes holding replicas of a row write the same values
+        return out
+
+    return jax.tree.map(one, tree)
+
+
 def shard_tree(tree: Any, shardings: Any) -> Any:
     """Place a tree (same value on every process, e.g. loaded params) with the given shardings."""
     return jax.device_put(tree, shardings)
@@ -299,18 +348,30 @@ def multihost_requested(environ: Mapping[str, str] | None = None) -> bool:
     return environ is None and _running_on_cloud_tpu_vm()
 
 
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name, "")
+    try:
+        return int(text) if text else None
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+
+
 def maybe_initialize_distributed(
     coordinator_address: str | None = None, num_processes: int | None = None, process_id: int | None = None
 ) -> bool:
     """Call `jax.distributed.initialize` for multi-host runs; no-op on a single host.
 
-    Must run before any other JAX call. Explicit arguments win; otherwise JAX auto-detects the
-    cluster (Cloud TPU, SLURM, Open MPI) when `multihost_requested()` says so. Returns whether the
-    distributed runtime is (now) initialized.
+    Must run before any other JAX call. Explicit arguments win, then the environment variables
+    JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID (JAX itself reads only the first:
+    the other two are what a multi-node GPU launch without SLURM or MPI sets); otherwise JAX
+    auto-detects the cluster (Cloud TPU, SLURM, Open MPI) when `multihost_requested()` says so.
+    Returns whether the distributed runtime is (now) initialized.
     """
-    explicit = (coordinator_address, num_processes, process_id)
     if jax.distributed.is_initialized():
         return True
+    num_processes = _env_int("JAX_NUM_PROCESSES") if num_processes is None else num_processes
+    process_id = _env_int("JAX_PROCESS_ID") if process_id is None else process_id
+    explicit = (coordinator_address, num_processes, process_id)
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"num_processes={num_processes} must be >= 1")
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:

@@ -34,6 +34,9 @@ ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_r
                "value_pretrain": "experiments/pretrain_value.py", "rl": "experiments/train.py"}
 # The critic stages must see the responses RL will see: same sampling distribution.
 _SHARED = ("model", "task", "mesh", "seed", "sampling", "tensorboard", "progress_bar")
+# `model.model_type` replaced `model.qkv_bias` after stages first recorded their settings: the families that existed
+# then are fingerprinted in the old spelling, so that their finished stages do not look stale.
+_QKV_BIAS_OF_OLD_MODEL_TYPES = {"qwen2": True, "llama": False}
 
 
 def load_config_file(name: str) -> ml_collections.ConfigDict:
@@ -72,7 +75,9 @@ def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) 
             c[k] = parent[k]
     overrides = parent.get("stage_overrides", {}).get(stage, {})
     for k, v in overrides.items():
-        if v is not None:
+        if v is not None and k == "lr":
+            c.optim.lr = v
+        elif v is not None:
             c[k] = v
     return config_lib.validate(c)
 
@@ -91,10 +96,13 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 
 def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The settings a stage's checkpoint is only valid for: the task's data (not where it is stored) and the
-    model's architecture fields (not its compute options), as JSON would store them."""
+    model's architecture fields (not its compute options), as JSON would store them. qwen2 and llama are recorded
+    as `qkv_bias` True/False, as before `model.model_type` existed (`_QKV_BIAS_OF_OLD_MODEL_TYPES`)."""
     task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
                                                                         "max_response_len")}
     model = {k: v for k, v in config.model.to_dict().items() if k not in ("dtype", "remat")}
+    if model["model_type"] in _QKV_BIAS_OF_OLD_MODEL_TYPES:
+        model["qkv_bias"] = _QKV_BIAS_OF_OLD_MODEL_TYPES[model.pop("model_type")]
     return json.loads(json.dumps({"task": task, "model": model}))
 
 

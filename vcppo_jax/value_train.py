@@ -148,6 +148,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,
                                show=("value/loss", "value/explained_var", "rollout/accuracy"))
     timer = Timer()
+    rows = rt.local_rows(config.prompts_per_step * config.group_size)  # this process's rows of each batch
     metrics: dict = {}
     is_converged = bool(meta.get("converged", False))
     try:
@@ -158,15 +159,17 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                     idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
                     pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
                     rollout, _ = generate_and_score(sampler, policy, pb, jax.random.fold_in(sample_key, step), tok,
-                                                    verifier, rt.place_batch)
+                                                    verifier, rt)
                 with timer.section("update"):
                     state, m = step_fn(state, rt.place_batch(rollout), jax.random.fold_in(update_key, step))
-                    m = jax.device_get(m)
+                    m = rt.fetch(m)
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 step += 1
                 metrics = {k: float(v) for k, v in m.items()}
-                metrics.update(rollout_stats(rollout, config.reward_correct, R))
-                metrics.update(timer.summary(num_tokens=int(rollout["attn_mask"].sum())))
+                whole = rt.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
+                                   "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
+                metrics.update(rollout_stats(whole, config.reward_correct, R))
+                metrics.update(timer.summary(num_tokens=int(whole["num_tokens"].sum())))
                 history["loss"].append(metrics["value/loss"])
                 history["ev"].append(metrics["value/explained_var"])
                 is_converged = step >= config.min_steps and converged(
@@ -175,11 +178,12 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                 metrics["value/converged"] = float(is_converged)
                 logger.log(step, metrics)
                 done = is_converged or step == config.max_steps
-                if done or step % config.save_every == 0 or guard.should_stop:
+                stop = guard.should_stop_any()  # collective: every host saves the same step
+                if done or step % config.save_every == 0 or stop:
                     meta = {"stage": config.stage, "model_config": sft_meta["model_config"], "done": done,
                             "converged": is_converged, "history": history, "provenance": prov}
                     ckpt.save(step, rt_lib.model_state_to_dict(state, "critic_params"), meta, force=True)
-                if guard.should_stop:
+                if stop:
                     logger.print(f"preempted: saved step {step}")
                     break
             if is_converged:

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen2 / Llama), chunked log-probs, and HF checkpoint import/export."""
+"""Decoder-only transformer (Qwen2 / Llama / Qwen3), chunked log-probs, and HF checkpoint import/export."""
 
 from vcppo_jax.models.config import ModelConfig
 from vcppo_jax.models.hf import (load_hf_checkpoint, load_hf_value_checkpoint, save_hf_checkpoint,

@@ -1,7 +1,9 @@
 """Model hyper-parameters for the decoder-only transformer, and their mapping to HF `config.json`.
 
-Only the architectures the JAX model reproduces exactly are accepted: Qwen2 (q/k/v bias, no o_proj bias) and
-Llama (no biases). Anything else fails loudly instead of silently producing a different network.
+Only the dense architectures the JAX model reproduces exactly are accepted, named by `model_type` as HF spells it:
+Qwen2 (q/k/v bias), Llama (no biases) and Qwen3 (no biases; RMSNorm over head_dim on each query and key head before
+RoPE; head_dim set on its own). Anything else (Qwen3-MoE, sliding-window attention, ...) fails loudly instead of
+silently producing a different network.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from typing import Any
 import jax.numpy as jnp
 from flax.core import FrozenDict
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+# Per family: HF class-name prefix, and the config.json keys that spell out as off the options we do not implement.
+_HF_FAMILIES = {
+    "qwen2": ("Qwen2", dict(use_sliding_window=False, sliding_window=None)),
+    "llama": ("Llama", dict(attention_bias=False, mlp_bias=False)),
+    "qwen3": ("Qwen3", dict(attention_bias=False, use_sliding_window=False, sliding_window=None)),
+}
+SUPPORTED_MODEL_TYPES = tuple(_HF_FAMILIES)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 _ATTENTION_IMPLS = (None, "xla", "cudnn")
 # Required keys (besides 'rope_type') of each supported RoPE scaling variant, as spelled in HF configs.
@@ -52,8 +60,8 @@ class ModelConfig:
       rope_scaling: None (plain RoPE) or an HF-style dict with 'rope_type' in {'linear', 'llama3'} and its keys
         ('factor'; llama3 also 'low_freq_factor', 'high_freq_factor', 'original_max_position_embeddings').
         Stored as a FrozenDict (hashable); read it like a dict.
-      rms_norm_eps: RMSNorm epsilon.
-      qkv_bias: bias on the q/k/v projections (Qwen2: True, Llama: False). o_proj and MLP never have biases.
+      rms_norm_eps: RMSNorm epsilon (also of Qwen3's q/k norms).
+      model_type: the architecture family, one of SUPPORTED_MODEL_TYPES; it alone decides `qkv_bias` and `qk_norm`.
       tie_embeddings: LM head reuses the token embedding matrix.
       max_position_embeddings: informational (HF round trip, llama3 default for original length).
       dtype: compute dtype, 'float32' or 'bfloat16'.
@@ -72,7 +80,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = None
     rms_norm_eps: float = 1e-6
-    qkv_bias: bool = True
+    model_type: str = "qwen2"
     tie_embeddings: bool = False
     max_position_embeddings: int = 32768
     dtype: str = "float32"
@@ -89,6 +97,16 @@ class ModelConfig:
         self.validate()
 
     @property
+    def qkv_bias(self) -> bool:
+        """Bias on the q/k/v projections (Qwen2 only; o_proj and the MLP never have biases)."""
+        return self.model_type == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """RMSNorm over head_dim of every query and key head, before RoPE (Qwen3 only)."""
+        return self.model_type == "qwen3"
+
+    @property
     def compute_dtype(self) -> jnp.dtype:
         return _DTYPES[self.dtype]
 
@@ -102,6 +120,8 @@ class ModelConfig:
 
     def validate(self) -> "ModelConfig":
         """Raises ValueError naming the offending field; returns self."""
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"ModelConfig.model_type must be one of {SUPPORTED_MODEL_TYPES}, got {self.model_type!r}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -151,7 +171,7 @@ class ModelConfig:
     # ------------------------------------------------------------------------------------------------ HF mapping
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
-        """HF `config.json` contents (Qwen2 or Llama, transformers 4.x or 5.x spelling) -> ModelConfig.
+        """HF `config.json` contents (Qwen2, Llama or Qwen3; transformers 4.x or 5.x spelling) -> ModelConfig.
 
         `overrides` set fields that HF does not describe (dtype, param_dtype, remat, attention_impl).
         """
@@ -159,14 +179,20 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"unsupported architecture: model_type {model_type!r} (architectures "
                              f"{hf.get('architectures')}); supported model_type values: {SUPPORTED_MODEL_TYPES}")
+        name = _HF_FAMILIES[model_type][0]
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r}: only 'silu' (SwiGLU) is implemented")
-        if model_type == "qwen2" and hf.get("use_sliding_window", False):
-            raise ValueError("unsupported Qwen2 config: use_sliding_window=True (sliding-window attention is not "
+        if hf.get("use_sliding_window", False):
+            raise ValueError(f"unsupported {name} config: use_sliding_window=True (sliding-window attention is not "
                              "implemented)")
-        if model_type == "llama" and (hf.get("attention_bias", False) or hf.get("mlp_bias", False)):
-            raise ValueError("unsupported Llama config: attention_bias/mlp_bias=True (o_proj/MLP biases are not "
+        sliding = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
+        if sliding:
+            raise ValueError(f"unsupported {name} config: layer_types {sliding} (only 'full_attention' is "
                              "implemented)")
+        # Qwen2's q/k/v biases are fixed by the architecture; the others' are switches we only support off.
+        if model_type != "qwen2" and (hf.get("attention_bias", False) or hf.get("mlp_bias", False)):
+            raise ValueError(f"unsupported {name} config: attention_bias/mlp_bias=True (attention/MLP biases are "
+                             f"not implemented for {model_type})")
         if hf.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("unsupported config: partial_rotary_factor != 1")
         # transformers 5 writes `rope_parameters` (with rope_theta inside); 4.x writes rope_theta + rope_scaling.
@@ -191,17 +217,12 @@ class ModelConfig:
             rope_theta=float(rope_theta),
             rope_scaling=rope_scaling,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            qkv_bias=model_type == "qwen2",
+            model_type=model_type,
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=max_pos,
         )
         fields.update(overrides)
         return cls(**fields)
-
-    @property
-    def hf_model_type(self) -> str:
-        # Qwen2 always has q/k/v biases and Llama never does, so the bias flag decides the architecture.
-        return "qwen2" if self.qkv_bias else "llama"
 
     def to_hf_dict(self, *, head: str = "causal_lm", dtype: str = "float32", **extra: Any) -> dict[str, Any]:
         """ModelConfig -> HF `config.json` dict (transformers 5 spelling) for `AutoModelFor*.from_pretrained`.
@@ -212,15 +233,14 @@ class ModelConfig:
         """
         if head not in ("causal_lm", "sequence_classification"):
             raise ValueError(f"head must be 'causal_lm' or 'sequence_classification', got {head!r}")
-        model_type = self.hf_model_type
-        prefix = {"qwen2": "Qwen2", "llama": "Llama"}[model_type]
+        prefix, options_off = _HF_FAMILIES[self.model_type]
         suffix = {"causal_lm": "ForCausalLM", "sequence_classification": "ForSequenceClassification"}[head]
         rope = {"rope_theta": float(self.rope_theta), "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(dict(self.rope_scaling))
         hf: dict[str, Any] = dict(
             architectures=[prefix + suffix],
-            model_type=model_type,
+            model_type=self.model_type,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -235,10 +255,7 @@ class ModelConfig:
             tie_word_embeddings=self.tie_embeddings,
             dtype=dtype,
         )
-        if model_type == "qwen2":
-            hf.update(use_sliding_window=False, sliding_window=None)
-        else:
-            hf.update(attention_bias=False, mlp_bias=False)
+        hf.update(options_off)
         if head == "sequence_classification":
             hf.update(num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})
         hf.update(extra)
@@ -249,7 +266,7 @@ class ModelConfig:
         """Parameter count of the causal LM (embedding counted once when tied)."""
         d, f, h = self.hidden_size, self.intermediate_size, self.head_dim
         q, kv = self.num_heads * h, self.num_kv_heads * h
-        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0)
+        attn = d * (q + 2 * kv) + q * d + (q + 2 * kv if self.qkv_bias else 0) + (2 * h if self.qk_norm else 0)
         layer = attn + 3 * d * f + 2 * d
         head = 0 if self.tie_embeddings else d * self.vocab_size
         return self.vocab_size * d + self.num_layers * layer + d + head

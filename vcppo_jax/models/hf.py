@@ -1,7 +1,8 @@
 """HF (transformers) checkpoint folders <-> our params, with numpy + safetensors only (no torch needed).
 
-Supported: Qwen2 and Llama, as `*ForCausalLM` (LM head, or tied embeddings) and `*ForSequenceClassification` with
-num_labels = 1 (the `score` row becomes the value head; used to seed a critic from an HF reward model).
+Supported: Qwen2, Llama and Qwen3 (dense; its per-head `q_norm`/`k_norm` weights included), as `*ForCausalLM` (LM
+head, or tied embeddings) and `*ForSequenceClassification` with num_labels = 1 (the `score` row becomes the value
+head; used to seed a critic from an HF reward model).
 Torch Linear weights are [out, in]; ours are [in..., out...] with heads split out, and per-layer tensors are
 stacked on a leading 'layers' axis (nn.scan layout; see `transformer.py` for the tree).
 """
@@ -67,6 +68,11 @@ def _specs(cfg: ModelConfig, head: str | None) -> list[_Spec]:
             ("self_attn.k_proj.bias", ("attn", "k_proj", "bias"), (k * h,), (k, h), None),
             ("self_attn.v_proj.bias", ("attn", "v_proj", "bias"), (k * h,), (k, h), None),
         ]
+    if cfg.qk_norm:
+        per_layer += [
+            ("self_attn.q_norm.weight", ("attn", "q_norm", "scale"), (h,), (h,), None),
+            ("self_attn.k_norm.weight", ("attn", "k_norm", "scale"), (h,), (h,), None),
+        ]
     for i in range(cfg.num_layers):
         out += [_Spec(f"model.layers.{i}.{name}", ("backbone", "layers", *path), i, hf_shape, our_shape, n_in)
                 for name, path, hf_shape, our_shape, n_in in per_layer]
@@ -131,7 +137,7 @@ def _load_params(folder: str, cfg: ModelConfig, head: str | None, ignorable: Cal
     unexpected = sorted(x for x in names - wanted if not ignorable(x))
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors {unexpected[:5]} ({len(unexpected)} in all) for a "
-                         f"{cfg.hf_model_type} model; the checkpoint does not match its config.json")
+                         f"{cfg.model_type} model; the checkpoint does not match its config.json")
     dtype = _NP_DTYPES[cfg.param_dtype]
     params: dict[str, Any] = {}
     try:

@@ -1,4 +1,4 @@
-"""Decoder-only transformer (Qwen2 / Llama family) in Flax linen, with a KV cache for sampling.
+"""Decoder-only transformer (Qwen2 / Llama / Qwen3 dense family) in Flax linen, with a KV cache for sampling.
 
 Layers are stacked with `nn.scan` (every per-layer param has a leading 'layers' axis, so compile time does not grow
 with depth) and every param carries logical axis names ('vocab', 'embed', 'mlp', 'heads', 'kv_heads', 'head_dim',
@@ -9,6 +9,7 @@ Params tree (`variables = {'params': ...}`; L = num_layers, N/K = query/kv heads
   backbone/embed/embedding                      [vocab, D]
   backbone/layers/attn_norm/scale               [L, D]
   backbone/layers/attn/{q,k,v}_proj/kernel      [L, D, N|K, H]    (+ bias [L, N|K, H] when cfg.qkv_bias)
+  backbone/layers/attn/{q,k}_norm/scale         [L, H]            (when cfg.qk_norm)
   backbone/layers/attn/o_proj/kernel            [L, N, H, D]
   backbone/layers/mlp_norm/scale                [L, D]
   backbone/layers/mlp/{gate,up}_proj/kernel     [L, D, F]
@@ -114,15 +115,20 @@ def _param(module: nn.Module, name: str, init, shape: tuple[int, ...], axes: tup
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * scale, normalized in fp32 and cast back (as HF does). scale: [D] ('embed')."""
+    """x / rms(x) * scale over the last axis, normalized in fp32 and cast back (as HF does).
+
+    x: [..., C] -> [..., C]; scale: [C], with logical axis name `axis` ('embed' for the hidden state, 'head_dim'
+    for Qwen3's per-head q/k norms).
+    """
 
     eps: float
     dtype: Any
     param_dtype: Any
+    axis: str
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
-        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",), self.param_dtype)
+        scale = _param(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,), self.param_dtype)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return scale.astype(self.dtype) * y.astype(self.dtype)
@@ -168,6 +174,9 @@ class Attention(nn.Module):
         q = Proj((n, h), ("embed", "heads", "head_dim"), dt, pdt, use_bias=cfg.qkv_bias, name="q_proj")(x)
         key = Proj((k, h), ("embed", "kv_heads", "head_dim"), dt, pdt, use_bias=cfg.qkv_bias, name="k_proj")(x)
         val = Proj((k, h), ("embed", "kv_heads", "head_dim"), dt, pdt, use_bias=cfg.qkv_bias, name="v_proj")(x)
+        if cfg.qk_norm:  # Qwen3: each head normalized over head_dim, before RoPE (as HF's Qwen3Attention)
+            q = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="q_norm")(q)
+            key = RMSNorm(cfg.rms_norm_eps, dt, pdt, "head_dim", name="k_norm")(key)
         q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         key = nn.with_logical_constraint(apply_rope(key, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         val = nn.with_logical_constraint(val, ("batch", "length", "kv_heads", "head_dim"))
@@ -209,7 +218,8 @@ class DecoderLayer(nn.Module):
                  mask: Array, cache_index: Array) -> tuple[tuple[Array, tuple[Array, Array] | None], None]:
         cfg = self.cfg
         x, cache = carry
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, name=name)  # noqa: E731
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, "embed",  # noqa: E731
+                                    name=name)
         attn, cache = Attention(cfg, name="attn")(norm("attn_norm")(x), cos, sin, mask, cache, layer, cache_index)
         x = x + attn
         x = x + MLP(cfg, name="mlp")(norm("mlp_norm")(x))
@@ -269,7 +279,7 @@ class Decoder(nn.Module):
             cfg.vocab_size, cfg.hidden_size, dtype=cfg.compute_dtype, param_dtype=cfg.params_dtype,
             embedding_init=nn.with_logical_partitioning(nn.initializers.normal(_INIT_STD), ("vocab", "embed")))
         self.layers = _stacked_layers(cfg)(cfg)
-        self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype)
+        self.final_norm = RMSNorm(cfg.rms_norm_eps, cfg.compute_dtype, cfg.params_dtype, "embed")
 
     def __call__(self, tokens: Array, positions: Array, kv_mask: Array, cache: KVCache | None = None,
                  cache_index: Array | int = 0) -> tuple[Array, KVCache | None]:
