@@ -5,6 +5,7 @@
   python experiments/reproduce.py --learning            # does RL learn: VC-PPO, GRPO, shuffled-reward controls
   python experiments/reproduce.py --mechanism           # PPO's length collapse under a biased critic: 12 arms x 3 seeds
   python experiments/reproduce.py --mechanism --quick   # its collapse vs no-collapse contrast, 1 seed (<15 min)
+  python experiments/reproduce.py --mechanism --long    # the contrast on 130-320-token responses, 1 seed (~1.3 h)
   python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
   python experiments/reproduce.py --only ppo,vcppo --set actor_optim.lr=1e-4 --stages-from runs/reproduce \
       --out runs/reproduce_lr1e-4 --results experiments/results/lr1e-4   # a variant: other RL fields, same stages
