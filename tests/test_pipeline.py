@@ -41,7 +41,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ALGORITHMS = ("vcppo", "ppo", "grpo")
 MESH = dict(data=2, fsdp=2, tensor=2)  # 8 fake CPU devices (conftest)
 KNOBS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, num_train=64, num_test=16)
-CRITIC_STAGE = {"vcppo": "value_pretrain", "ppo": "reward_model", "grpo": None}
+CRITIC_STAGE = {"vcppo": "value_pretrain", "ppo": "reward_model", "grpo": None, "drgrpo": None}
 TRAIN_KEYS = ("rollout/response_length_mean", "rollout/accuracy", "policy/clipfrac", "policy/approx_kl",
               "policy/entropy", "policy/grad_norm", "policy/lr", "perf/tokens_per_s", "perf/step_time_s",
               "diag/adv_early_bias")
@@ -157,6 +157,18 @@ def test_pipeline_completes_and_logs_documented_metrics(runs, algorithm):
     if has_critic:
         critic_meta = ckpt_lib.read_meta(config.critic_dir)
         assert critic_meta["done"] and critic_meta["stage"] == CRITIC_STAGE[algorithm]
+
+
+def test_dr_grpo_is_grpo_without_its_two_normalizations_and_runs(runs, root):
+    grpo, drgrpo = stages.load_config_file("grpo"), stages.load_config_file("drgrpo")
+    differ = {k for k in grpo.keys() if k != "workdir" and grpo[k] != drgrpo[k]}
+    assert differ == {"grpo_normalize_std", "loss_agg"} and drgrpo.loss_agg == "seq-mean-token-sum-norm"
+    config = tiny_config("drgrpo", root)  # the tiny pipeline's SFT policy (built by `runs`)
+    stages.run_stage(config)
+    train = [r for r in read_metrics(config.workdir) if "policy/clipfrac" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(math.isfinite(r["policy/approx_kl"]) and math.isfinite(r["policy/grad_norm"]) for r in train)
+    assert ckpt_lib.read_meta(config.workdir)["algorithm"] == "grpo" and config.workdir != runs["grpo"][0].workdir
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

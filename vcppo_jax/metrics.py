@@ -125,15 +125,18 @@ class MetricWriter:
 def _drop_torn_tail(path: str) -> None:
     """Cuts a last line without its newline (a record a killed process was writing), so that a resumed run's
     first record does not continue it."""
-    if not os.path.exists(path):
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return
     with open(path, "rb+") as f:
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
         data = f.read()
-        if data and not data.endswith(b"\n"):
-            keep = data.rfind(b"\n") + 1
-            logging.warning("%s: dropping a torn last record (%d bytes) left by an interrupted run", path,
-                            len(data) - keep)
-            f.truncate(keep)
+        keep = data.rfind(b"\n") + 1
+        logging.warning("%s: dropping a torn last record (%d bytes) left by an interrupted run", path,
+                        len(data) - keep)
+        f.truncate(keep)
 
 
 def read_metrics(workdir: str | os.PathLike) -> list[dict[str, Any]]:

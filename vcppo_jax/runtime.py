@@ -44,11 +44,6 @@ class Runtime:
         """This process's `rows` of a host batch -> the whole batch on every process (collective)."""
         return sharding.gather_rows(tree, rows)
 
-    @property
-    def is_main(self) -> bool:
-        """The process that prints and writes metrics (checkpoints are written by every process)."""
-        return jax.process_index() == 0
-
     def shardings(self, abstract_boxed):
         return sharding.logical_shardings(abstract_boxed, self.mesh, self.rules)
 
