@@ -223,7 +223,7 @@ def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
             loss = loss + hp.kl_coef * kl
         if hp.nll_coef > 0:
             pos_mask = mask * mb["positive"][:, None]
-            nll = losses.aggregate(-logp, pos_mask, hp.loss_agg)
+            nll = losses.nll_loss(logp, pos_mask, hp.loss_agg)
             m["policy/nll_loss"] = nll
             loss = loss + hp.nll_coef * nll
         m["policy/loss"] = loss

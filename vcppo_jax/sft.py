@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
 from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
+from vcppo_jax import losses
 from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stages
@@ -40,7 +40,7 @@ def sft_loss_fn(model: nn.Module, *, prompt_len: int, chunk: int):
         logp, _ = policy_logprobs(model, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
                                   chunk=chunk)
         mask = batch["response_mask"]
-        nll = -(logp * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+        nll = losses.nll_loss(logp, mask)
         return nll, {"sft/loss": nll}
 
     return loss_fn

@@ -306,11 +306,6 @@ def gather_rows(tree: Any, rows: slice) -> Any:
     return jax.tree.map(one, tree)
 
 
-def shard_tree(tree: Any, shardings: Any) -> Any:
-    """Place a tree (same value on every process, e.g. loaded params) with the given shardings."""
-    return jax.device_put(tree, shardings)
-
-
 # ----------------------------------------------------------------------------------------------
 # Multi-host
 # ----------------------------------------------------------------------------------------------
