@@ -63,8 +63,8 @@ def kill_at(point: str, step: int, workdir: str) -> None:
     die = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     if point in ("rollout", "update"):
         # run_rl's rollouts call rl_loop.generate_and_score once per step (evaluations go through rollout.evaluate);
-        # rollout_stats runs once per step right after the update, before the step is logged or saved.
-        name = "generate_and_score" if point == "rollout" else "rollout_stats"
+        # whole_batch_stats runs once per step right after the update, before the step is logged or saved.
+        name = "generate_and_score" if point == "rollout" else "whole_batch_stats"
         original = getattr(rl_loop, name)
         # The run resumes after its newest committed step (every step is saved in these runs).
         resumed_at = max((int(p.name) for p in pathlib.Path(workdir).glob("*") if p.name.isdigit()), default=0)

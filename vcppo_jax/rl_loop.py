@@ -23,7 +23,7 @@ from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shift_value_head
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
-from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, rollout_stats, shuffle_rewards
+from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, shuffle_rewards, whole_batch_stats
 from vcppo_jax.sampling import make_sampler
 
 CRITIC_HINTS = {"value_pretrain": "run experiments/pretrain_value.py first or set config.critic_init",
@@ -177,12 +177,11 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     m, actor_updates = rt.fetch(({**m_exp, **m_up}, state.actor.step))
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 m = {k: float(v) for k, v in m.items()}
-                whole = rt.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
-                                   "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
-                m.update(rollout_stats(whole, config.reward_correct, R))
+                stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, R, rows, rt)
+                m.update(stats)
                 # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).
                 m["policy/lr"] = float(learning_rate(config.actor_optim, max(int(actor_updates) - 1, 0)))
-                m.update(timer.summary(num_tokens=int(whole["num_tokens"].sum())))
+                m.update(timer.summary(num_tokens=num_tokens))
                 for signal in ("adv_length_corr", "value_err_first"):  # meta keys without '/'
                     collapse_history.setdefault(signal, []).append(m.get(f"diag/{signal}", 0.0))  # GRPO: no error
                 warning = metrics_lib.collapse_warning(collapse_history["adv_length_corr"],

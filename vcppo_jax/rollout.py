@@ -124,6 +124,15 @@ def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) 
     }
 
 
+def whole_batch_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int, rows: slice,
+                      io: HostIO = SINGLE_HOST) -> tuple[dict[str, float], int]:
+    """`rollout_stats` of the whole batch (this process holds `rows` of it; one gather over the processes) and the
+    batch's number of real tokens, prompts included."""
+    whole = io.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
+                       "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
+    return rollout_stats(whole, correct, max_len), int(whole["num_tokens"].sum())
+
+
 def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
              batch_size: int, max_prompt_len: int, correct: float, rng: jax.Array, prefix: str = "eval",
              io: HostIO = SINGLE_HOST, ref_logprobs: Callable | None = None) -> dict[str, float]:

@@ -27,7 +27,7 @@ from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
 from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
 from vcppo_jax.rl import critic_values
-from vcppo_jax.rollout import generate_and_score, prompt_batch, rollout_stats
+from vcppo_jax.rollout import generate_and_score, prompt_batch, whole_batch_stats
 from vcppo_jax.sampling import make_sampler
 
 
@@ -166,10 +166,9 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
                 step += 1
                 metrics = {k: float(v) for k, v in m.items()}
-                whole = rt.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
-                                   "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
-                metrics.update(rollout_stats(whole, config.reward_correct, R))
-                metrics.update(timer.summary(num_tokens=int(whole["num_tokens"].sum())))
+                stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, R, rows, rt)
+                metrics.update(stats)
+                metrics.update(timer.summary(num_tokens=num_tokens))
                 history["loss"].append(metrics["value/loss"])
                 history["ev"].append(metrics["value/explained_var"])
                 is_converged = step >= config.min_steps and converged(
