@@ -9,8 +9,8 @@ from vcppo_jax.config import base_rl_config
 
 
 def get_config():
-    c = base_rl_config("grpo")
-    c.workdir = "runs/default/drgrpo"
+    c = base_rl_config("drgrpo")
+    c.advantage = "group"
     c.critic_init = "none"
     c.critic_dir = ""
     c.group_size = 8

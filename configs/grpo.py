@@ -8,6 +8,7 @@ from vcppo_jax.config import base_rl_config
 
 def get_config():
     c = base_rl_config("grpo")
+    c.advantage = "group"
     c.critic_init = "none"
     c.critic_dir = ""
     c.group_size = 8

@@ -116,10 +116,11 @@ def run_ours(o: dict) -> dict:
     algo, b, p, r = o["algo"], o["prompts"] * o["group"], o["prompt_len"], o["response_len"]
     cfg, variables = load_hf_checkpoint(o["folder"], remat=bool(o.get("remat")))
     actor = CausalLM(cfg)
-    has_critic = algo != "grpo"
+    advantage = {"grpo": "group", "vcppo": "gae"}[algo]
+    has_critic = advantage == "gae"
     critic = ValueModel(cfg) if has_critic else None
     hp = rl.RLHparams(
-        algorithm=algo, prompt_len=p, group_size=o["group"], gamma=1.0, lambda_actor=0.95 if has_critic else 1.0,
+        advantage=advantage, prompt_len=p, group_size=o["group"], gamma=1.0, lambda_actor=0.95 if has_critic else 1.0,
         lambda_critic=1.0, adaptive_lambda=False, adaptive_lambda_alpha=0.05, whiten_advantages=True,
         grpo_normalize_std=True, clip_low=0.2, clip_high=0.2, dual_clip=None, value_clip=None,
         loss_agg="token-mean", kl_coef=0.0, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.0, nll_coef=0.0,

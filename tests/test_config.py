@@ -37,7 +37,8 @@ def test_paper_settings():
     vc, ppo, grpo = load("vcppo"), load("ppo"), load("grpo")
     assert (vc.lambda_actor, vc.lambda_critic, vc.critic_init) == (0.95, 1.0, "value_pretrain")
     assert (ppo.lambda_actor, ppo.lambda_critic, ppo.critic_init) == (0.95, 0.95, "reward_model")
-    assert grpo.critic_init == "none" and grpo.group_size >= 2
+    assert grpo.critic_init == "none" and grpo.group_size >= 2 and grpo.advantage == "group"
+    assert vc.advantage == ppo.advantage == "gae"
     assert vc.gamma == ppo.gamma == 1.0
 
 
@@ -53,7 +54,8 @@ def test_paper_settings():
         ("num_minibatches", 3, r"num_minibatches=3 must divide .*=64"),
         ("loss_agg", "mean", r"loss_agg"),
         ("kl_estimator", "k4", r"kl_estimator"),
-        ("algorithm", "a2c", r"algorithm"),
+        ("algorithm", "", r"algorithm=''"),
+        ("advantage", "td", r"advantage='td' .*one of \('gae', 'group'\)"),
         ("critic_init", "none", r"critic_init"),
         ("model.num_kv_heads", 3, r"num_kv_heads=3 .*must divide"),
         ("mesh.data", 0, r"mesh.data"),
@@ -108,7 +110,7 @@ def assert_rejected(name: str, field: str, value, match: str) -> None:
 
 
 def test_grpo_has_no_critic_bias_and_sft_late_phase_is_checked():
-    assert_rejected("grpo", "critic_init_bias", -1.0, "critic_init_bias=-1.0 .*GRPO")
+    assert_rejected("grpo", "critic_init_bias", -1.0, "critic_init_bias=-1.0 .*advantage='group'")
     assert_rejected("sft", "late_direct_fraction", 1.5, "late_direct_fraction")
 
 

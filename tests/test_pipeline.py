@@ -41,7 +41,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 ALGORITHMS = ("vcppo", "ppo", "grpo")
 MESH = dict(data=2, fsdp=2, tensor=2)  # 8 fake CPU devices (conftest)
 KNOBS = dict(min_terms=2, max_terms=2, min_digits=1, max_digits=2, num_train=64, num_test=16)
-CRITIC_STAGE = {"vcppo": "value_pretrain", "ppo": "reward_model", "grpo": None, "drgrpo": None}
+CRITIC_STAGE = {"vcppo": "value_pretrain", "ppo": "reward_model", "grpo": None, "drgrpo": None, "dapo": None,
+                "vapo": "value_pretrain"}
 TRAIN_KEYS = ("rollout/response_length_mean", "rollout/accuracy", "policy/clipfrac", "policy/approx_kl",
               "policy/entropy", "policy/grad_norm", "policy/lr", "perf/tokens_per_s", "perf/step_time_s",
               "diag/adv_early_bias")
@@ -162,13 +163,38 @@ def test_pipeline_completes_and_logs_documented_metrics(runs, algorithm):
 def test_dr_grpo_is_grpo_without_its_two_normalizations_and_runs(runs, root):
     grpo, drgrpo = stages.load_config_file("grpo"), stages.load_config_file("drgrpo")
     differ = {k for k in grpo.keys() if k != "workdir" and grpo[k] != drgrpo[k]}
-    assert differ == {"grpo_normalize_std", "loss_agg"} and drgrpo.loss_agg == "seq-mean-token-sum-norm"
+    assert differ == {"algorithm", "grpo_normalize_std", "loss_agg"} and drgrpo.loss_agg == "seq-mean-token-sum-norm"
     config = tiny_config("drgrpo", root)  # the tiny pipeline's SFT policy (built by `runs`)
     stages.run_stage(config)
     train = [r for r in read_metrics(config.workdir) if "policy/clipfrac" in r]
     assert [r["step"] for r in train] == [1, 2]
     assert all(math.isfinite(r["policy/approx_kl"]) and math.isfinite(r["policy/grad_norm"]) for r in train)
-    assert ckpt_lib.read_meta(config.workdir)["algorithm"] == "grpo" and config.workdir != runs["grpo"][0].workdir
+    assert ckpt_lib.read_meta(config.workdir)["algorithm"] == "drgrpo" and config.workdir != runs["grpo"][0].workdir
+
+
+def test_dapo_trains_on_filtered_shaped_groups_and_reports_the_verifiers_rewards(runs, root):
+    grpo, dapo = stages.load_config_file("grpo"), stages.load_config_file("dapo")
+    differ = {k for k in grpo.keys() if k != "workdir" and grpo[k] != dapo[k]}
+    assert differ == {"algorithm", "clip_high", "kl_coef", "group_filter", "reward_shaping", "overlong_buffer"}
+    config = tiny_config("dapo", root, overlong_buffer=4)
+    stages.run_stage(config)
+    train = [r for r in read_metrics(config.workdir) if "policy/clipfrac" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for r in train:
+        rounds, filled = r["rollout/sampling_rounds"], r["rollout/groups_filled"]
+        assert rounds in (1, 2, 3) and (filled == 0 or rounds == config.max_sampling_rounds)
+        # Stats are of the verifier's +-1 rewards, not the shaped ones the update trained on.
+        assert r["rollout/reward_mean"] == pytest.approx(2 * r["rollout/accuracy"] - 1, abs=1e-6)
+
+
+def test_vapo_is_vcppo_with_its_three_changes_and_runs(runs, root):
+    vcppo, vapo = stages.load_config_file("vcppo"), stages.load_config_file("vapo")
+    differ = {k for k in vcppo.keys() if k != "workdir" and vcppo[k] != vapo[k]}
+    assert differ == {"algorithm", "adaptive_lambda", "clip_high", "nll_coef"}
+    config = tiny_config("vapo", root)  # value pretraining of the tiny pipeline (built by `runs`)
+    stages.run_stage(config)
+    train = [r for r in read_metrics(config.workdir) if "policy/clipfrac" in r]
+    assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["policy/nll_loss"]) for r in train)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -56,7 +56,7 @@ def hparams(algorithm="vcppo", **overrides) -> rl.RLHparams:
     c.diag_buckets = 3
     c.diag_early_tokens = 2
     if algorithm == "grpo":
-        c.critic_init = "none"
+        c.advantage, c.critic_init = "group", "none"
     for k, v in overrides.items():
         c[k] = v
     config_lib.validate(c)

@@ -8,15 +8,17 @@ allowed range, never inside a compile.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Iterable
 
 import ml_collections
 
+from vcppo_jax.hooks import GROUP_FILTERS, REWARD_SHAPINGS
 from vcppo_jax.losses import AGG_MODES, KL_KINDS
 from vcppo_jax.models.config import SUPPORTED_MODEL_TYPES
 from vcppo_jax.rewards import TASKS
+from vcppo_jax.rl import ADVANTAGE_ESTIMATORS
 
-ALGORITHMS = ("vcppo", "ppo", "grpo")
 STAGES = ("sft", "reward_model", "value_pretrain", "rl")
 CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
 DTYPES = ("float32", "bfloat16")
@@ -123,7 +125,10 @@ def stage_overrides() -> ml_collections.ConfigDict:
 def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     """Defaults shared by VC-PPO, PPO and GRPO; `configs/<algorithm>.py` sets what differs."""
     c = _common("rl", f"runs/default/{algorithm}")
-    c.algorithm = algorithm
+    c.algorithm = algorithm  # a name for logs and checkpoints; what the method does is set by the fields below.
+    # 'gae': a critic and (decoupled) GAE (PPO, VC-PPO); 'group': no critic, each response's reward relative to
+    # its prompt's group of `group_size` samples (GRPO); set critic_init='none' with it.
+    c.advantage = "gae"
     # Where earlier stages live; missing ones are run by train.py itself when `run_missing_stages`.
     c.sft_dir = "runs/default/sft"
     c.critic_init = "value_pretrain"
@@ -182,6 +187,15 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     # probe/pass@1 and probe/kl_to_sft (per-token KL(policy || SFT policy); holds the SFT params in memory).
     c.shuffle_rewards = False
     c.eval_kl_to_sft = True
+    # Host hooks (vcppo_jax/hooks.py, DAPO): reward shaping of what the update trains on ('overlong': a penalty
+    # falling linearly to -overlong_penalty over the last overlong_buffer tokens before max_response_len) and
+    # group filtering ('mixed': keep groups neither all right nor all wrong, sampling up to max_sampling_rounds
+    # prompt batches per step to fill the batch). 'none' = off.
+    c.reward_shaping = "none"
+    c.overlong_buffer = 0
+    c.overlong_penalty = 1.0
+    c.group_filter = "none"
+    c.max_sampling_rounds = 3
     return c
 
 
@@ -337,7 +351,16 @@ def _validate_minibatching(c, batch: int) -> None:
 
 
 def _validate_rl(c) -> None:
-    _check_choice(c, "algorithm", ALGORITHMS)
+    if not isinstance(c.algorithm, str) or not re.fullmatch(r"[A-Za-z0-9_.+-]+", c.algorithm):
+        _fail("algorithm", c.algorithm, "must be a non-empty name of letters, digits and _.+- (it names the run)")
+    _check_choice(c, "advantage", ADVANTAGE_ESTIMATORS)
+    _check_choice(c, "reward_shaping", REWARD_SHAPINGS)
+    _check_choice(c, "group_filter", GROUP_FILTERS)
+    _check_int(c, "max_sampling_rounds", 1, 999)  # later rounds draw prompts with seed * 1000 + round
+    _check_int(c, "overlong_buffer", 0, c.task.max_response_len)
+    _check_range(c, "overlong_penalty", 0.0, float("inf"), hi_open=True)
+    if c.group_filter != "none" and c.group_size < 2:
+        _fail("group_filter", c.group_filter, "needs group_size >= 2 (it judges each prompt's group of responses)")
     _check_choice(c, "critic_init", CRITIC_INITS)
     for f in ("gamma", "lambda_actor", "lambda_critic"):
         _check_range(c, f, 0.0, 1.0)
@@ -374,16 +397,17 @@ def _validate_rl(c) -> None:
     _check_int(c, "diag_early_tokens", 1)
     if c.reward_correct <= c.reward_wrong:
         _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
-    if c.algorithm == "grpo":
+    if c.advantage == "group":
         if c.group_size < 2:
-            _fail("group_size", c.group_size, "must be >= 2 for GRPO (advantages are relative within a group)")
+            _fail("group_size", c.group_size, "must be >= 2 for advantage='group' (advantages are relative within a "
+                  "group)")
         if c.critic_init != "none":
-            _fail("critic_init", c.critic_init, "must be 'none' for GRPO (it has no critic)")
+            _fail("critic_init", c.critic_init, "must be 'none' for advantage='group' (no critic)")
         if c.critic_init_bias != 0:
-            _fail("critic_init_bias", c.critic_init_bias, "must be 0 for GRPO (it has no critic)")
+            _fail("critic_init_bias", c.critic_init_bias, "must be 0 for advantage='group' (no critic)")
     else:
         if c.critic_init == "none":
-            _fail("critic_init", c.critic_init, f"needs a critic for algorithm={c.algorithm!r}; use one of "
+            _fail("critic_init", c.critic_init, f"needs a critic for advantage={c.advantage!r}; use one of "
                         f"{CRITIC_INITS[:-1]}")
         _validate_optim(c, "critic_optim")
         if c.critic_init in ("value_pretrain", "reward_model") and not c.critic_dir:

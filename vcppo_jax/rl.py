@@ -30,6 +30,10 @@ from vcppo_jax.optim import ModelState, train_epochs
 
 Batch = dict[str, jax.Array]
 
+# How advantages are estimated (config.advantage): 'gae' with a critic (PPO, VC-PPO: decoupled GAE), 'group' without
+# one (GRPO: each response's reward relative to its prompt's group).
+ADVANTAGE_ESTIMATORS = ("gae", "group")
+
 
 @struct.dataclass
 class RLState:
@@ -44,7 +48,7 @@ class RLState:
 class RLHparams:
     """The static part of an RL config that the jitted functions close over."""
 
-    algorithm: str
+    advantage: str  # one of ADVANTAGE_ESTIMATORS
     prompt_len: int
     group_size: int
     gamma: float
@@ -74,7 +78,7 @@ class RLHparams:
     @classmethod
     def from_config(cls, c: ml_collections.ConfigDict) -> "RLHparams":
         return cls(
-            algorithm=c.algorithm, prompt_len=c.task.max_prompt_len, group_size=c.group_size, gamma=c.gamma,
+            advantage=c.advantage, prompt_len=c.task.max_prompt_len, group_size=c.group_size, gamma=c.gamma,
             lambda_actor=c.lambda_actor, lambda_critic=c.lambda_critic, adaptive_lambda=c.adaptive_lambda,
             adaptive_lambda_alpha=c.adaptive_lambda_alpha, whiten_advantages=c.whiten_advantages,
             grpo_normalize_std=c.grpo_normalize_std, clip_low=c.clip_low, clip_high=c.clip_high,
@@ -87,7 +91,7 @@ class RLHparams:
 
     @property
     def has_critic(self) -> bool:
-        return self.algorithm != "grpo"
+        return self.advantage == "gae"
 
 
 # --------------------------------------------------------------------------------------------------------------

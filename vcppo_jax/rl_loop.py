@@ -16,6 +16,7 @@ import numpy as np
 from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
+from vcppo_jax import hooks
 from vcppo_jax import metrics as metrics_lib
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
@@ -23,7 +24,8 @@ from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shift_value_head
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
-from vcppo_jax.rollout import evaluate, generate_and_score, prompt_batch, shuffle_rewards, whole_batch_stats
+from vcppo_jax.rollout import (evaluate, generate_and_score, prompt_batch, sample_filtered, shuffle_rewards,
+                               whole_batch_stats, with_seq_rewards)
 from vcppo_jax.sampling import make_sampler
 
 CRITIC_HINTS = {"value_pretrain": "run experiments/pretrain_value.py first or set config.critic_init",
@@ -157,26 +159,42 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                               if not k.endswith("direct_fraction")})
         logger.write(step, last_eval)
 
+    def sample_round(step: int, k: int) -> dict[str, np.ndarray]:
+        """This process's rows of round k of step's rollout: round 0 is the step's batch; later rounds (dynamic
+        sampling) draw other prompts from their own deterministic stream, so a resumed run draws the same ones."""
+        seed, rng = config.seed, jax.random.fold_in(key, step)
+        if k:
+            seed, rng = config.seed * 1000 + k, jax.random.fold_in(rng, k)
+        idx = batch_indices(len(train), config.prompts_per_step, step, seed)
+        pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
+        return generate_and_score(sampler, state.actor.params, pb, rng, tok, verifier, rt)[0]
+
     try:
         with ckpt_lib.preemption_guard() as guard, rt.context():
             if start == 0:
                 run_eval(0)
             for step in range(start, config.num_steps):
                 with timer.section("rollout"):
-                    idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
-                    pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
-                    rollout, _ = generate_and_score(sampler, state.actor.params, pb, jax.random.fold_in(key, step),
-                                                    tok, verifier, rt)
-                    # The control trains on permuted rewards; rollout stats below still report the true ones.
-                    train_rollout = (shuffle_rewards(rollout, np.random.default_rng([config.seed, step]), rows, rt)
-                                     if config.shuffle_rewards else rollout)
+                    # Host hooks (vcppo_jax/hooks.py) then the control change only what the update trains on;
+                    # the rollout stats below report round 0's verifier rewards.
+                    rollout, train_rollout, m_host = sample_filtered(
+                        functools.partial(sample_round, step), config.group_filter, config.group_size,
+                        config.max_sampling_rounds, rows, rt)
+                    if config.reward_shaping != "none":
+                        train_rollout = with_seq_rewards(train_rollout, hooks.shape_rewards(
+                            config.reward_shaping, train_rollout["seq_rewards"],
+                            train_rollout["response_mask"].sum(axis=1), max_len=R, buffer=config.overlong_buffer,
+                            penalty=config.overlong_penalty))
+                    if config.shuffle_rewards:
+                        train_rollout = shuffle_rewards(train_rollout, np.random.default_rng([config.seed, step]),
+                                                        rows, rt)
                 with timer.section("experience"):
                     experience, m_exp = make_experience(state, rt.place_batch(train_rollout))
                 with timer.section("update"):
                     state, m_up = update(state, experience)
                     m, actor_updates = rt.fetch(({**m_exp, **m_up}, state.actor.step))
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
-                m = {k: float(v) for k, v in m.items()}
+                m = {k: float(v) for k, v in {**m, **m_host}.items()}
                 stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, R, rows, rt)
                 m.update(stats)
                 # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).

@@ -15,6 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 import jax
 import numpy as np
 
+from vcppo_jax import hooks
 from vcppo_jax.data import RecordSource
 from vcppo_jax.data.batching import encode_prompts
 from vcppo_jax.rewards import score_batch
@@ -90,6 +91,12 @@ def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarr
                 sample_logp=np.asarray(out.logprobs, np.float32))
 
 
+def with_seq_rewards(rollout: dict[str, np.ndarray], seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
+    """`rollout` training on other sequence rewards [B], each placed at its row's own last token."""
+    seq_rewards = np.asarray(seq_rewards, np.float32)
+    return dict(rollout, seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout["response_mask"]))
+
+
 def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator, rows: slice | None = None,
                     io: HostIO = SINGLE_HOST) -> dict[str, np.ndarray]:
     """The shuffled-reward control: sequence rewards permuted across the rows of the (global) batch, then placed at
@@ -97,8 +104,45 @@ def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator, ro
     rows: which rows of the global batch `rollout` holds (None: all of it)."""
     rows = slice(0, len(rollout["seq_rewards"])) if rows is None else rows
     seq_rewards = io.gather(rollout["seq_rewards"], rows)
-    seq_rewards = seq_rewards[rng.permutation(len(seq_rewards))][rows]
-    return dict(rollout, seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout["response_mask"]))
+    return with_seq_rewards(rollout, seq_rewards[rng.permutation(len(seq_rewards))][rows])
+
+
+def sample_filtered(sample_round: Callable[[int], dict[str, np.ndarray]], group_filter: str, group_size: int,
+                    max_rounds: int, rows: slice, io: HostIO = SINGLE_HOST
+                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:
+    """A batch of groups that pass `group_filter` (`hooks.keep_groups`; DAPO's dynamic sampling).
+
+    sample_round(k) -> this process's rows of round k's rollout (a fresh prompt batch of the same shape; round 0 is
+    the step's usual one). Rounds run until the kept groups fill a batch or `max_rounds` were sampled; a batch still
+    short is filled with rejected groups in sampling order (the shapes stay fixed, nothing recompiles).
+    Returns (round 0's rollout, the training rollout, metrics), rollouts as this process's `rows`; with
+    group_filter 'none' both are round 0's.
+    """
+    first = sample_round(0)
+    if group_filter == "none":
+        return first, first, {}
+    kept, rejected, num_kept, local = [], [], 0, first
+    for k in range(max_rounds):
+        if k:
+            local = sample_round(k)
+        whole = io.gather(local, rows)  # every process takes the same decision
+        keep = hooks.keep_groups(group_filter, whole["seq_rewards"], group_size)
+        groups = {n: v.reshape(len(keep), group_size, *v.shape[1:]) for n, v in whole.items()}
+        kept.append({n: v[keep] for n, v in groups.items()})
+        rejected.append({n: v[~keep] for n, v in groups.items()})
+        num_kept += int(keep.sum())
+        if k == 0:
+            first_kept = float(keep.mean())
+        if num_kept >= len(keep):
+            break
+    num_groups = len(keep)
+    pieces = kept + rejected
+    batch = {n: np.concatenate([p[n] for p in pieces])[:num_groups].reshape(num_groups * group_size,
+                                                                           *first[n].shape[1:])
+             for n in first}
+    return first, {n: v[rows] for n, v in batch.items()}, {
+        "rollout/groups_kept_first_round": first_kept, "rollout/sampling_rounds": float(k + 1),
+        "rollout/groups_filled": max(num_groups - num_kept, 0) / num_groups}
 
 
 def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,
