@@ -41,8 +41,8 @@ PAD_ID = 0
 PRESETS = {
     "quick": dict(prompts=2, group=4, prompt_len=16, response_len=32, hidden=64, layers=2, vocab=512, iters=3,
                   lengths="32,64,128"),
-    # 4096 is left out of the default sweep: without --remat its update materializes [8, 4, 4128, 4128] attention
-    # scores per layer and went past 17 GiB on a 24 GiB machine (see the README for the --remat run).
+    # 4096 is left out of the default sweep (minutes per iteration on CPU). With dense attention (--attention=xla)
+    # and no --remat its update materializes [8, 4, 4128, 4128] scores per layer: past 17 GiB on a 24 GiB machine.
     "default": dict(prompts=4, group=4, prompt_len=32, response_len=128, hidden=128, layers=2, vocab=2048, iters=3,
                     lengths="256,1024"),
 }
@@ -114,7 +114,8 @@ def run_ours(o: dict) -> dict:
     from vcppo_jax.sampling import make_sampler  # noqa: PLC0415
 
     algo, b, p, r = o["algo"], o["prompts"] * o["group"], o["prompt_len"], o["response_len"]
-    cfg, variables = load_hf_checkpoint(o["folder"], remat=bool(o.get("remat")))
+    cfg, variables = load_hf_checkpoint(o["folder"], remat=bool(o.get("remat")),
+                                        attention_impl=o.get("attention") or None)
     actor = CausalLM(cfg)
     advantage = {"grpo": "group", "vcppo": "gae"}[algo]
     has_critic = advantage == "gae"
@@ -249,6 +250,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for torch and XLA (0 = defaults)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement subprocess")
     parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
+    parser.add_argument("--attention", choices=("", "xla", "blockwise"), default="",
+                        help="our attention kernel ('' = by length: blockwise from 1024 tokens, dense below)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (ours: "
                         "ModelConfig.remat; TRL: gradient_checkpointing) to cut the update's activation memory")
     parser.add_argument("--no-peers", action="store_true", help="skip the GRPO / VC-PPO / TRL comparison, run "
@@ -279,13 +282,13 @@ def main() -> None:
     b = opts["prompts"] * opts["group"]
     with tempfile.TemporaryDirectory() as folder:
         build_checkpoint(folder, opts["hidden"], opts["layers"], opts["vocab"], max_len)
-        base = dict(sizes, folder=folder, threads=args.threads, remat=args.remat)
+        base = dict(sizes, folder=folder, threads=args.threads, remat=args.remat, attention=args.attention)
         results = {} if args.no_peers else {a: spawn(dict(base, algo=a), args.timeout) for a in ("grpo", "vcppo", "trl")}
         sweep = {n: spawn(dict(base, algo="vcppo", response_len=n), args.timeout) for n in lengths}
 
     trl_version = results.get("trl", {}).get("version", "not run" if args.no_peers else "not available")
     print(f"torch {torch.__version__} | transformers {tr.__version__} | trl {trl_version} | threads={args.threads} | "
-          f"remat={args.remat} | Qwen2 d={opts['hidden']} L={opts['layers']} vocab={opts['vocab']} | "
+          f"remat={args.remat} attention={args.attention or 'by length'} | Qwen2 d={opts['hidden']} L={opts['layers']} vocab={opts['vocab']} | "
           f"{opts['prompts']} prompts x {opts['group']} samples = {b} rollouts, prompt {opts['prompt_len']} + "
           f"response {opts['response_len']} tokens, {NUM_MINIBATCHES} optimizer steps/iteration, median of "
           f"{opts['iters']} iterations after a warmup")

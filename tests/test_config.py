@@ -216,18 +216,29 @@ def test_model_type_keeps_stages_recorded_before_it_current():
     assert builders.model_config_from_json(saved).qk_norm and "qkv_bias" not in saved
 
 
+def test_compute_options_leave_stage_settings_unchanged():
+    """dtype, remat and the attention kernel change how a model computes, not what it is: finished stages stay
+    valid when they change."""
+    c = load("sft")
+    before = stages.settings(c)
+    c.model.update(dtype="bfloat16", remat=True, attention_impl="blockwise", attention_block_size=64)
+    assert stages.settings(c) == before
+
+
 def test_config_model_maps_onto_model_config_by_name():
     c = load("sft")
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     assert set(c.model) - {"hf_path"} <= fields  # hf_path: where to load from, not a hyper-parameter
     c.model.update(model_type="qwen3", head_dim=48, num_layers=2, rms_norm_eps=1e-5, rope_theta=500.0,
-                   tie_embeddings=False, max_position_embeddings=64, dtype="bfloat16", remat=True, vocab_size=99)
+                   tie_embeddings=False, max_position_embeddings=64, dtype="bfloat16", remat=True, vocab_size=99,
+                   attention_impl="blockwise", attention_block_size=64)
     cfg = builders.model_config(c, 55)
     assert {k: getattr(cfg, k) for k in set(c.model) - {"hf_path"}} == {k: v for k, v in c.model.items()
                                                                        if k != "hf_path"}
     assert cfg.qk_norm and not cfg.qkv_bias
-    c.model.update(vocab_size=0, head_dim=0)  # 0 = the tokenizer's vocabulary / hidden_size // num_heads
-    assert (builders.model_config(c, 55).vocab_size, builders.model_config(c, 55).head_dim) == (55, 32)
+    c.model.update(vocab_size=0, head_dim=0, attention_impl="")  # 0 / '' = the tokenizer's vocabulary /
+    auto = builders.model_config(c, 55)  # hidden_size // num_heads / the kernel chosen by length
+    assert (auto.vocab_size, auto.head_dim, auto.attention_impl) == (55, 32, None)
 
 
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from testutil import abstract_params, random_params
+from testutil import abstract_params, all_shapes, random_params
 from vcppo_jax.models import (CausalLM, KVCache, ModelConfig, ValueModel, attention_mask, critic_params_from_actor,
                               init_cache, init_params, param_logical_axes, position_ids, token_logprobs)
 
@@ -291,26 +291,12 @@ def test_token_logprobs_chunked_equals_unchunked(params, logprob_case, chunk_siz
     assert float(jnp.abs(g[1]).max()) > 0
 
 
-def _all_shapes(jaxpr) -> list[tuple[int, ...]]:
-    """Shapes of every intermediate, including inside scan/checkpoint/pjit sub-jaxprs."""
-    shapes = []
-    for eqn in jaxpr.eqns:
-        shapes += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
-        for param in eqn.params.values():
-            for sub in (param if isinstance(param, (list, tuple)) else [param]):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    shapes += _all_shapes(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    shapes += _all_shapes(sub)
-    return shapes
-
-
 def test_token_logprobs_grad_never_builds_full_logits():
     b, t, d, v, chunk = 2, 12, 8, 50, 4
     table = jnp.ones((d, v))
     fn = lambda w, h: jnp.sum(token_logprobs(lambda x: x @ w, h, jnp.zeros((b, t), jnp.int32),  # noqa: E731
                                              chunk_size=chunk)[0])
-    shapes = _all_shapes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(table, jnp.ones((b, t, d))).jaxpr)
+    shapes = all_shapes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1)))(table, jnp.ones((b, t, d))).jaxpr)
     vocab_sized = [s for s in shapes if s and s[-1] == v and len(s) >= 3]
     assert vocab_sized and all(s[-2] == chunk for s in vocab_sized), set(vocab_sized)
 

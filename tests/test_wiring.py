@@ -479,7 +479,10 @@ def test_update_never_changes_ref_params_and_measures_movement():
     exp, _ = experience_fn(hp)(state, ro)
     ref_before = jax.tree.map(np.asarray, state.ref_params)
     new_state, m = update_fn(hp)(state, exp)
-    assert int(new_state.actor.step) == 1 and float(m["train/nonfinite"]) == 0
+    assert int(new_state.actor.step) == 1 and float(m["train/nonfinite"]) == 0 and int(new_state.step) == 1
+    # The state's key advances (split off what the minibatch shuffles used): the next update shuffles anew.
+    key_data = lambda k: np.asarray(jax.random.key_data(k))  # noqa: E731
+    np.testing.assert_array_equal(key_data(new_state.rng), key_data(jax.random.split(state.rng, 3)[0]))
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, new_state.ref_params), ref_before)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: not np.array_equal(np.asarray(a), np.asarray(b)),
                                          new_state.actor.params, state.actor.params))

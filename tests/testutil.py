@@ -13,6 +13,21 @@ def abstract_params(model: nn.Module):
     return {"params": runtime.abstract_params(model)}
 
 
+def all_shapes(jaxpr) -> list[tuple[int, ...]]:
+    """Shapes of every intermediate of `jaxpr`, including inside scan/while/checkpoint/pjit/custom-VJP
+    sub-jaxprs."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        shapes += [tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")]
+        for param in eqn.params.values():
+            for sub in (param if isinstance(param, (list, tuple)) else [param]):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    shapes += all_shapes(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    shapes += all_shapes(sub)
+    return shapes
+
+
 def random_params(model: nn.Module, seed: int = 0, scale: float = 0.15) -> dict:
     """Variables {'params': ...} with O(1)-scale values (norm scales ~1, everything else ~N(0, scale^2)), so that every
     term of the network matters in a comparison."""

@@ -51,7 +51,15 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     # A ConfigDict field cannot switch between int and None, so 0 stands for "not set" in these two.
     fields["vocab_size"] = fields["vocab_size"] or vocab_size
     fields["head_dim"] = fields["head_dim"] or None
+    fields["attention_impl"] = fields["attention_impl"] or None
     return ModelConfig(**fields)
+
+
+def with_compute_options(cfg: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
+    """`cfg` with this run's compute options from `config.model`: dtype, remat, attention kernel and block."""
+    m = config.model
+    return cfg.replace(dtype=m.dtype, remat=m.remat, attention_impl=m.attention_impl or None,
+                       attention_block_size=m.attention_block_size)
 
 
 def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
@@ -61,7 +69,7 @@ def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_from_json(d: dict[str, Any], config: ml_collections.ConfigDict | None = None) -> ModelConfig:
-    """Saved architecture, with this run's compute options (dtype, remat) applied on top.
+    """Saved architecture, with this run's compute options (dtype, remat, attention) applied on top.
 
     Configs saved before `model_type` existed name the family by `qkv_bias` instead (True: qwen2, False: llama).
     """
@@ -70,5 +78,5 @@ def model_config_from_json(d: dict[str, Any], config: ml_collections.ConfigDict 
         d["model_type"] = "qwen2" if d.pop("qkv_bias") else "llama"
     cfg = ModelConfig(**d)
     if config is not None:
-        cfg = cfg.replace(dtype=config.model.dtype, remat=config.model.remat)
+        cfg = with_compute_options(cfg, config)
     return cfg

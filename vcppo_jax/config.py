@@ -15,7 +15,7 @@ import ml_collections
 
 from vcppo_jax.hooks import GROUP_FILTERS, REWARD_SHAPINGS
 from vcppo_jax.losses import AGG_MODES, KL_KINDS
-from vcppo_jax.models.config import SUPPORTED_MODEL_TYPES
+from vcppo_jax.models.config import ATTENTION_IMPLS, SUPPORTED_MODEL_TYPES
 from vcppo_jax.rewards import TASKS
 from vcppo_jax.rl import ADVANTAGE_ESTIMATORS
 
@@ -54,6 +54,10 @@ def model_config() -> ml_collections.ConfigDict:
         max_position_embeddings=1024,
         dtype="float32",
         remat=False,
+        # Compute options like dtype and remat: '' = blockwise attention from 1024 tokens, dense below; 'blockwise',
+        # 'xla' or 'cudnn' always (models/config.py, ATTENTION_IMPLS).
+        attention_impl="",
+        attention_block_size=512,
     ))
 
 
@@ -312,6 +316,8 @@ def _validate_common(c) -> None:
         _check_range(c, "model.rope_theta", 0.0, float("inf"), lo_open=True, hi_open=True)
         _check_range(c, "model.rms_norm_eps", 0.0, 1.0, lo_open=True)
     _check_choice(c, "model.dtype", DTYPES)
+    _check_choice(c, "model.attention_impl", ("",) + tuple(i for i in ATTENTION_IMPLS if i))  # '' = by length
+    _check_int(c, "model.attention_block_size", 1)
     _check_choice(c, "task.name", TASKS)
     _check_int(c, "task.max_prompt_len", 1)
     _check_int(c, "task.max_response_len", 1)

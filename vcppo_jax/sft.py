@@ -56,7 +56,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
     verifier = rewards.make_verifier(config.task.name)  # default +1 / -1: only pass@1 is reported
     if config.model.hf_path:
         cfg, hf_vars = load_hf_checkpoint(config.model.hf_path)
-        cfg = cfg.replace(dtype=config.model.dtype, remat=config.model.remat)
+        cfg = builders.with_compute_options(cfg, config)
     else:
         cfg, hf_vars = builders.model_config(config, len(tok)), None
     model = CausalLM(cfg)

@@ -23,7 +23,12 @@ _HF_FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(_HF_FAMILIES)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-_ATTENTION_IMPLS = (None, "xla", "cudnn")
+# None: 'blockwise' for sequences of at least BLOCKWISE_MIN_LEN tokens (memory linear in length), below that jax's
+# own choice of dense kernel; 'xla' / 'cudnn': that dense kernel of `jax.nn.dot_product_attention` always;
+# 'blockwise': `models.attention.blockwise_attention` wherever the queries are the keys (training passes, log-probs,
+# values, the sampler's prefill; one-token decode steps are linear anyway and stay dense).
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
+BLOCKWISE_MIN_LEN = 1024
 # Required keys (besides 'rope_type') of each supported RoPE scaling variant, as spelled in HF configs.
 _ROPE_KEYS = {
     "default": (),
@@ -67,7 +72,8 @@ class ModelConfig:
       dtype: compute dtype, 'float32' or 'bfloat16'.
       param_dtype: storage dtype of the parameters, 'float32' (default, for training) or 'bfloat16'.
       remat: rematerialize each layer in the backward pass (`nn.remat`).
-      attention_impl: `implementation=` of `jax.nn.dot_product_attention` (None lets jax choose, 'xla', 'cudnn').
+      attention_impl: one of ATTENTION_IMPLS (None: blockwise from BLOCKWISE_MIN_LEN tokens, dense below).
+      attention_block_size: queries and keys per block of the blockwise attention.
     """
 
     vocab_size: int
@@ -87,6 +93,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     attention_impl: str | None = None
+    attention_block_size: int = 512
 
     def __post_init__(self):
         # Frozen dataclass: derived fields are filled in through object.__setattr__.
@@ -139,9 +146,13 @@ class ModelConfig:
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        if self.attention_impl not in _ATTENTION_IMPLS:
-            raise ValueError(f"ModelConfig.attention_impl must be one of {_ATTENTION_IMPLS}, "
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"ModelConfig.attention_impl must be one of {ATTENTION_IMPLS}, "
                              f"got {self.attention_impl!r}")
+        if isinstance(self.attention_block_size, bool) or not isinstance(self.attention_block_size, int) \
+                or self.attention_block_size < 1:
+            raise ValueError(f"ModelConfig.attention_block_size must be a positive int, got "
+                             f"{self.attention_block_size!r}")
         self._validate_rope_scaling()
         return self
 
@@ -173,7 +184,7 @@ class ModelConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any], **overrides: Any) -> "ModelConfig":
         """HF `config.json` contents (Qwen2, Llama or Qwen3; transformers 4.x or 5.x spelling) -> ModelConfig.
 
-        `overrides` set fields that HF does not describe (dtype, param_dtype, remat, attention_impl).
+        `overrides` set fields that HF does not describe (dtype, param_dtype, remat, attention_impl, ...).
         """
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:

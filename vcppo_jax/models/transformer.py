@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vcppo_jax.models.config import ModelConfig
+from vcppo_jax.models.attention import blockwise_attention
+from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig
 
 Array = jax.Array
 _INIT_STD = 0.02  # HF initializer_range; random init is only used for from-scratch toy models and tests.
@@ -163,7 +164,9 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array, cache: tuple[Array, Array] | None,
                  layer: Array, cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
-        """x: [B, T, D]; cos/sin: [B, T, H]; mask: [B, 1, T, S'] bool; cache: ([L, B, S, K, H], same) or None.
+        """x: [B, T, D]; cos/sin: [B, T, H]; cache: ([L, B, S, K, H], same) or None; mask: [B, 1, T, S'] bool
+        (dense attention), or [B, T] bool key padding when the queries are the keys (blockwise attention: causal,
+        query i sees key j <= i; `Decoder` picks).
 
         With a cache, the T new keys/values are written at [layer, :, cache_index:cache_index + T] and the queries
         attend to this layer's first S' <= S slots (S' = mask.shape[-1]; the caller drops slots no query sees).
@@ -188,7 +191,11 @@ class Attention(nn.Module):
                           for c, new in zip(cache, (key, val)))
             size = (1, x.shape[0], mask.shape[-1], k, h)
             key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
-        out = jax.nn.dot_product_attention(q, key, val, mask=mask, implementation=cfg.attention_impl)
+        if mask.ndim == 2:
+            out = blockwise_attention(q, key, val, mask, block_size=cfg.attention_block_size)
+        else:
+            impl = None if cfg.attention_impl == "blockwise" else cfg.attention_impl
+            out = jax.nn.dot_product_attention(q, key, val, mask=mask, implementation=impl)
         y = Proj((cfg.hidden_size,), ("heads", "head_dim", "embed"), dt, pdt, n_in=2, name="o_proj")(out)
         return y, cache
 
@@ -314,12 +321,21 @@ class Decoder(nn.Module):
         # A concrete cache_index (prefill) tells statically that slots from static_index + T on are invisible to
         # every query (causality), so attention skips them; a traced index (decode steps) needs all S slots.
         num_keys = kv_mask.shape[1] if static_index is None else static_index + tokens.shape[1]
-        mask = attention_mask(kv_mask[:, :num_keys], tokens.shape[1], cache_index)
+        if self._blockwise(tokens.shape[1], static_index):
+            mask = kv_mask[:, :num_keys].astype(bool)  # causality is the kernel's; only key padding is passed
+        else:
+            mask = attention_mask(kv_mask[:, :num_keys], tokens.shape[1], cache_index)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         carry = (x, None if cache is None else (cache.k, cache.v))
         (x, new_cache), _ = self.layers(carry, layers, cos, sin, mask, cache_index)
         hidden = nn.with_logical_constraint(self.final_norm(x), _ACT)
         return hidden, (None if new_cache is None else KVCache(*new_cache))
+
+    def _blockwise(self, num_queries: int, static_index: int | None) -> bool:
+        """Blockwise attention where the T queries are exactly the keys (no cache, or a prefill at slot 0) and the
+        config asks for it (or leaves it to length)."""
+        impl = self.cfg.attention_impl
+        return static_index == 0 and (impl == "blockwise" or impl is None and num_queries >= BLOCKWISE_MIN_LEN)
 
     def attend(self, hidden: Array) -> Array:
         """Tied LM head: hidden [..., D] -> fp32 logits [..., vocab] against the embedding matrix."""

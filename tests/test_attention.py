@@ -1,0 +1,137 @@
+"""Blockwise (memory-linear) attention against dense attention: outputs and gradients, left padding, GQA, block
+sizes, bf16, the model's forward and backward, the sampler's prefill, and no [T, T] intermediate."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from testutil import all_shapes, random_params
+from vcppo_jax.models import CausalLM, ModelConfig, attention_mask, position_ids
+from vcppo_jax.models import transformer
+from vcppo_jax.models.attention import blockwise_attention
+from vcppo_jax.sampling import make_sampler
+
+B, T, H = 3, 37, 8
+PADS = np.array([0, 5, 36])  # left padding per row; row 2 has a single real token
+
+
+def inputs(num_heads: int, num_kv_heads: int, dtype=jnp.float32, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    q, k, v = (jnp.asarray(rs.randn(B, T, n, H), dtype) for n in (num_heads, num_kv_heads, num_kv_heads))
+    kv_mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
+    weights = jnp.asarray(rs.randn(B, T, num_heads, H), jnp.float32) * kv_mask[:, :, None, None]
+    return q, k, v, kv_mask, weights
+
+
+def dense(q, k, v, kv_mask):
+    return jax.nn.dot_product_attention(q, k, v, mask=attention_mask(kv_mask, q.shape[1]), implementation="xla")
+
+
+def loss(attn, q, k, v, kv_mask, weights):
+    """A loss over the real query rows only (padding rows' outputs are meaningless in both paths)."""
+    return jnp.sum(attn(q, k, v, kv_mask).astype(jnp.float32) * weights)
+
+
+@pytest.mark.parametrize("block_size,num_heads,num_kv_heads", [(5, 4, 2), (8, 4, 2), (16, 2, 2), (64, 4, 1)])
+def test_outputs_and_gradients_match_dense(block_size, num_heads, num_kv_heads):
+    q, k, v, kv_mask, weights = inputs(num_heads, num_kv_heads)
+    blockwise = functools.partial(blockwise_attention, block_size=block_size)
+    real = np.asarray(kv_mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, blockwise(q, k, v, kv_mask), 0),
+                               np.where(real, dense(q, k, v, kv_mask), 0), atol=2e-6)
+    grads = jax.grad(functools.partial(loss, blockwise), argnums=(0, 1, 2))(q, k, v, kv_mask, weights)
+    want = jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2))(q, k, v, kv_mask, weights)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, atol=5e-6)
+    assert float(jnp.abs(grads[1]).max()) > 0
+
+
+def test_bf16_inputs_accumulate_in_fp32():
+    q, k, v, kv_mask, weights = inputs(4, 2, jnp.bfloat16)
+    got = blockwise_attention(q, k, v, kv_mask, block_size=8)
+    assert got.dtype == jnp.bfloat16
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    real = np.asarray(kv_mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, got.astype(jnp.float32), 0), np.where(real, dense(*f32, kv_mask), 0),
+                               atol=2e-2)
+    grads = jax.grad(functools.partial(loss, functools.partial(blockwise_attention, block_size=8)),
+                     argnums=(0, 1, 2))(q, k, v, kv_mask, weights)
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 3
+
+
+def test_padding_rows_are_finite():
+    q, k, v, _, _ = inputs(4, 2)
+    kv_mask = jnp.zeros((B, T), bool).at[:, -1].set(True)  # every query but the last sees no key
+    assert np.isfinite(np.asarray(blockwise_attention(q, k, v, kv_mask, block_size=8))).all()
+
+
+def test_no_quadratic_intermediate_forward_or_backward():
+    t, block = 64, 16
+    q, k, v = (jnp.ones((1, t, 2, 4)) for _ in range(3))
+    fn = lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, jnp.ones((1, t), bool), block_size=block))  # noqa
+    shapes = all_shapes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    assert not [s for s in shapes if s.count(t) >= 2], set(s for s in shapes if s.count(t) >= 2)
+    assert any(s[-2:] == (block, block) for s in shapes)  # the score blocks
+    dense_shapes = all_shapes(jax.make_jaxpr(jax.grad(lambda q, k, v: jnp.sum(dense(q, k, v, jnp.ones((1, t), bool))),
+                                                      argnums=(0, 1, 2)))(q, k, v).jaxpr)
+    assert [s for s in dense_shapes if s.count(t) >= 2]  # the check would see a [T, T] tensor
+
+
+def test_errors():
+    q, k, v, kv_mask, _ = inputs(4, 2)
+    with pytest.raises(ValueError, match="N % K"):
+        blockwise_attention(q[:, :, :3], k, v, kv_mask)
+    with pytest.raises(ValueError, match="kv_mask"):
+        blockwise_attention(q, k, v, kv_mask[:, 1:])
+    with pytest.raises(ValueError, match="block_size"):
+        blockwise_attention(q, k, v, kv_mask, block_size=0)
+
+
+# ------------------------------------------------------------------------------------------ through the model
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
+                  rope_theta=1000.0, attention_impl="xla")
+BLOCKWISE = CFG.replace(attention_impl="blockwise", attention_block_size=8)
+
+
+@pytest.fixture(scope="module")
+def params():
+    return random_params(CausalLM(CFG))
+
+
+def model_loss(cfg, params, tokens, mask, weights):
+    hidden, _ = CausalLM(cfg).apply(params, tokens, position_ids(mask), mask)
+    return jnp.sum(hidden * weights), hidden
+
+
+def test_model_forward_and_grads_match_dense(params):
+    rs = np.random.RandomState(1)
+    mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
+    tokens = jnp.where(mask, jnp.asarray(rs.randint(1, CFG.vocab_size, (B, T))), 0)
+    weights = jnp.asarray(rs.randn(B, T, CFG.hidden_size), jnp.float32) * mask[:, :, None]
+    fn = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))  # noqa: E731
+    (_, hidden), grads = fn(BLOCKWISE)(params, tokens, mask, weights)
+    (_, hidden_ref), grads_ref = fn(CFG)(params, tokens, mask, weights)
+    real = np.asarray(mask)[:, :, None]
+    np.testing.assert_allclose(np.where(real, hidden, 0), np.where(real, hidden_ref, 0), atol=2e-5)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max()), grads, grads_ref)
+
+
+def test_sampler_prefill_blockwise_gives_the_same_tokens(params):
+    rs = np.random.RandomState(2)
+    prompt_mask = np.arange(12)[None, :] >= np.array([0, 4, 9])[:, None]
+    prompts = np.where(prompt_mask, rs.randint(1, CFG.vocab_size, (3, 12)), 0).astype(np.int32)
+    out = [make_sampler(CausalLM(cfg), max_new_tokens=10, eos_id=None, pad_id=0, temperature=0.0)(
+        params["params"], prompts, prompt_mask, jax.random.PRNGKey(0)) for cfg in (CFG, BLOCKWISE)]
+    np.testing.assert_array_equal(out[0].tokens, out[1].tokens)
+    np.testing.assert_allclose(out[0].logprobs, out[1].logprobs, atol=1e-5)
+
+
+def test_default_picks_blockwise_by_length_and_only_where_queries_are_keys():
+    auto = transformer.Decoder(CFG.replace(attention_impl=None))
+    assert auto._blockwise(transformer.BLOCKWISE_MIN_LEN, 0) and not auto._blockwise(64, 0)
+    assert not auto._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
+    assert transformer.Decoder(BLOCKWISE)._blockwise(16, 0)
+    assert not transformer.Decoder(CFG)._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, 0)
