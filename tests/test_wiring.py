@@ -291,6 +291,19 @@ def test_experience_decoupled_gae_against_numpy_loop():
                                rtol=1e-4, atol=1e-6)
 
 
+def test_experience_in_minibatches_equals_one_pass():
+    """The full-batch forward passes (old / reference log-probs, values) run num_minibatches slices one after another;
+    the experience is the one-pass experience, row for row."""
+    one, four = hparams("vcppo", kl_coef=0.1), hparams("vcppo", kl_coef=0.1, num_minibatches=4)
+    state = make_state(one, with_ref=True)
+    ro = hand_rollout(seed=5)
+    exp1, m1 = experience_fn(one)(state, ro)
+    exp4, m4 = experience_fn(four)(state, ro)
+    for k in exp1:
+        np.testing.assert_allclose(np.asarray(exp4[k]), np.asarray(exp1[k]), atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(float(m4["rollout/entropy"]), float(m1["rollout/entropy"]), rtol=1e-6)
+
+
 def test_experience_kl_in_reward_and_whitening():
     """kl_in_reward with k1, gamma = lambda_critic = 1: returns are the reverse cumulative sum of the KL-shaped rewards
     r_t - kl_coef * (logp_t - ref_logp_t); advantages (critic algorithm, whitening on) are the whitened GAE(0.9) of

@@ -105,6 +105,10 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
     # Library log lines (orbax, TFDS, absl INFO) on the console; off: progress bars, evaluations, stage lines and
     # this project's warnings only.
     c.verbose = False
+    # Compile this stage's programs against abstract inputs, print XLA's per-device memory plan and whether it fits,
+    # and stop (no weights, data or earlier stages needed; vcppo_jax/dry_run.py). 0 GiB = the device's own memory.
+    c.dry_run = False
+    c.dry_run_device_memory_gib = 0.0
     return c
 
 
@@ -298,6 +302,7 @@ def _get(c, field: str) -> Any:
 def _validate_common(c) -> None:
     _check_choice(c, "stage", STAGES)
     _check_int(c, "seed", 0)
+    _check_range(c, "dry_run_device_memory_gib", 0.0, float("inf"), hi_open=True)
     if not c.workdir:
         _fail("workdir", c.workdir, "must be a non-empty path")
     m = c.model

@@ -121,6 +121,17 @@ def critic_values(critic: nn.Module, params, tokens, attn_mask, *, prompt_len: i
     return values[:, prompt_len - 1:].astype(jnp.float32)
 
 
+def by_minibatch(fn: Callable, num_minibatches: int, *arrays: jax.Array):
+    """`fn(*arrays)` computed on `num_minibatches` consecutive slices of the batch (leading) dim one after another
+    (`lax.map`), outputs re-joined along it: a full-batch forward pass holds one slice's activations at a time, the
+    size the update's minibatches are known to fit."""
+    if num_minibatches == 1:
+        return fn(*arrays)
+    split = lambda x: x.reshape(num_minibatches, x.shape[0] // num_minibatches, *x.shape[1:])  # noqa: E731
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(x) for x in arrays))
+    return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), out)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Experience: everything the update needs, computed once per rollout with the pre-update networks.
 # --------------------------------------------------------------------------------------------------------------
@@ -130,13 +141,16 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
     """Returns `make_experience(state, rollout) -> (experience, metrics)`."""
     P = hp.prompt_len
 
+    def logprobs(params, tokens, attn_mask):
+        fn = functools.partial(policy_logprobs, actor, params, prompt_len=P, chunk=hp.logprob_chunk,
+                               temperature=hp.temperature)
+        return by_minibatch(fn, hp.num_minibatches, tokens, attn_mask)
+
     def make_experience(state: RLState, rollout: Batch) -> tuple[Batch, dict]:
         tokens, attn_mask, mask = rollout["tokens"], rollout["attn_mask"], rollout["response_mask"]
-        old_logp, entropy = policy_logprobs(actor, state.actor.params, tokens, attn_mask, prompt_len=P,
-                                            chunk=hp.logprob_chunk, temperature=hp.temperature)
+        old_logp, entropy = logprobs(state.actor.params, tokens, attn_mask)
         if state.ref_params is not None:
-            ref_logp, _ = policy_logprobs(actor, state.ref_params, tokens, attn_mask, prompt_len=P,
-                                          chunk=hp.logprob_chunk, temperature=hp.temperature)
+            ref_logp, _ = logprobs(state.ref_params, tokens, attn_mask)
         else:
             ref_logp = old_logp
         kl = losses.kl_penalty(old_logp, ref_logp, hp.kl_estimator) * mask
@@ -146,7 +160,8 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
         lengths = mask.sum(axis=1)
         m = {}
         if hp.has_critic:
-            values = critic_values(critic, state.critic.params, tokens, attn_mask, prompt_len=P) * mask
+            values = by_minibatch(functools.partial(critic_values, critic, state.critic.params, prompt_len=P),
+                                  hp.num_minibatches, tokens, attn_mask) * mask
             lam_actor = (gae_lib.length_adaptive_lambda(lengths, hp.adaptive_lambda_alpha)
                          if hp.adaptive_lambda else hp.lambda_actor)
             advantages, returns = gae_lib.decoupled_gae(rewards, values, mask, gamma=hp.gamma,
@@ -256,8 +271,9 @@ def policy_movement(hp: RLHparams, actor: nn.Module, params, experience: Batch) 
     one on every token: policy/approx_kl (k3 estimate of KL(pi_old || pi_new) per token), policy/clipfrac (tokens
     whose ratio left [1 - clip_low, 1 + clip_high]), policy/ratio_min|max.
     """
-    logp, _ = policy_logprobs(actor, params, experience["tokens"], experience["attn_mask"], prompt_len=hp.prompt_len,
-                              chunk=hp.logprob_chunk, temperature=hp.temperature)
+    fn = functools.partial(policy_logprobs, actor, params, prompt_len=hp.prompt_len, chunk=hp.logprob_chunk,
+                           temperature=hp.temperature)
+    logp, _ = by_minibatch(fn, hp.num_minibatches, experience["tokens"], experience["attn_mask"])
     logp = jax.lax.stop_gradient(logp)
     valid = experience["mask"] > 0
     log_ratio = jnp.where(valid, logp - experience["old_logp"], 0.0)

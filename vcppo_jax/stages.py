@@ -201,8 +201,11 @@ def ensure_prerequisites(config: ml_collections.ConfigDict) -> None:
 
 
 def run_stage(config: ml_collections.ConfigDict) -> Any:
-    """Validates, brings in missing earlier stages, then runs this stage's loop."""
+    """Validates, brings in missing earlier stages, then runs this stage's loop (`dry_run`: only its memory plan)."""
     config_lib.validate(config)
+    if config.dry_run:
+        from vcppo_jax.dry_run import plan
+        return plan(config)
     ensure_prerequisites(config)
     if config.stage == "sft":
         from vcppo_jax.sft import run_sft

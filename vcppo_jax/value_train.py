@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -26,7 +27,7 @@ from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
 from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
-from vcppo_jax.rl import critic_values
+from vcppo_jax.rl import by_minibatch, critic_values
 from vcppo_jax.rollout import generate_and_score, prompt_batch, whole_batch_stats
 from vcppo_jax.sampling import make_sampler
 
@@ -81,7 +82,8 @@ def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eo
         # A key derived aside, so the minibatch order stays what it was without truncation.
         targets, weights = value_targets(rollout, gamma=gamma, eos_only=eos_only, truncated_fraction=truncated_fraction,
                                          truncated_reward=truncated_reward, rng=jax.random.fold_in(rng, 1))
-        values = critic_values(critic, state.params, rollout["tokens"], rollout["attn_mask"], prompt_len=prompt_len)
+        values = by_minibatch(functools.partial(critic_values, critic, state.params, prompt_len=prompt_len),
+                              num_minibatches, rollout["tokens"], rollout["attn_mask"])
         loss, _ = losses.value_loss(values, values, targets, weights)
         metrics = {"value/loss": loss, "value/explained_var": losses.explained_variance(values, targets, weights),
                    "value/mean": (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)}

@@ -1,0 +1,84 @@
+"""`--config.dry_run=True` on 8 fake CPU devices: every stage's programs compile against abstract inputs, nothing
+is read or written, the resident state matches a hand count, and a config that cannot fit says so."""
+
+import json
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+from vcppo_jax import stages
+from vcppo_jax.models import ModelConfig
+
+MESH = dict(data=2, fsdp=2, tensor=2)
+MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=2,
+             max_position_embeddings=64)
+
+
+def tiny(name: str, tmp_path, **fields) -> ml_collections.ConfigDict:
+    c = stages.load_config_file(name)
+    c.workdir = str(tmp_path / "never_written" / name)
+    for k in ("sft_dir", "critic_dir"):
+        if k in c and c[k]:
+            c[k] = str(tmp_path / "never_written" / k)  # no earlier stage exists: a dry run needs none
+    c.mesh = ml_collections.ConfigDict(MESH)
+    c.model.update(MODEL)
+    c.task.update(max_prompt_len=12, max_response_len=16)
+    c.update(dict(dry_run=True, progress_bar=False, tensorboard=False))
+    if c.stage == "rl":
+        c.update(dict(prompts_per_step=4, group_size=2, num_minibatches=2, eval_prompts=8))
+    c.update(fields)
+    return c
+
+
+@pytest.mark.parametrize("name,programs", [
+    ("vcppo", {"sampler", "experience", "update"}),
+    ("sft", {"sampler", "sft_step"}),
+    ("value_pretrain", {"sampler", "value_step"}),
+])
+def test_every_stage_plans_without_reading_or_writing(tmp_path, name, programs):
+    plan = stages.run_stage(tiny(name, tmp_path))
+    assert set(plan["programs"]) == programs and plan["fits"]
+    for row in plan["programs"].values():
+        assert row["peak"] >= plan["resident_mib"] > 0 and row["temps"] >= 0
+    assert not (tmp_path / "never_written").exists()
+
+
+def test_resident_state_is_params_and_adam_moments_by_hand(tmp_path):
+    """GRPO without KL holds the actor's params and Adam's two moments (fp32); with data=8 every device holds all."""
+    plan = stages.run_stage(tiny("grpo", tmp_path, kl_coef=0.0, prompts_per_step=8, mesh=ml_collections.ConfigDict(
+        dict(data=8, fsdp=1, tensor=1))))
+    assert set(plan["programs"]) == {"sampler", "experience", "update"}
+    params = ModelConfig(vocab_size=plan_vocab(), **MODEL, tie_embeddings=True).num_params
+    assert plan["params"] == params
+    np.testing.assert_allclose(plan["resident_mib"], 3 * 4 * params / 2 ** 20, rtol=1e-3)
+
+
+def plan_vocab() -> int:
+    from vcppo_jax.tokenizer import synthetic_tokenizer  # noqa: PLC0415
+
+    return len(synthetic_tokenizer())
+
+
+def test_a_config_that_does_not_fit_says_so(tmp_path, capsys):
+    plan = stages.run_stage(tiny("sft", tmp_path, dry_run_device_memory_gib=1e-4))
+    assert not plan["fits"] and plan["device_memory_source"] == "dry_run_device_memory_gib"
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "sft_step" in out
+
+
+def test_hf_model_from_its_config_json_alone(tmp_path):
+    """A Qwen3 folder with config.json and a tokenizer but no weights plans."""
+    from vcppo_jax.tokenizer import synthetic_tokenizer  # noqa: PLC0415
+
+    folder = tmp_path / "qwen3"
+    os.makedirs(folder)
+    synthetic_tokenizer().save_pretrained(folder)
+    hf = ModelConfig(vocab_size=plan_vocab(), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2,
+                     num_kv_heads=1, head_dim=24, model_type="qwen3", tie_embeddings=True).to_hf_dict()
+    (folder / "config.json").write_text(json.dumps(hf))
+    c = tiny("sft", tmp_path)
+    c.model.hf_path = str(folder)
+    plan = stages.run_stage(c)
+    assert plan["params"] == ModelConfig.from_hf_dict(hf).num_params and plan["fits"]
