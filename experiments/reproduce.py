@@ -97,6 +97,10 @@ class Profile:
     report: str = "study"
 
 
+# The cold start the mechanism studies were measured on: the SFT's earlier default of 450 steps (400 main + 50 late),
+# kept so their committed results stay reproducible. The default is now 650 (README, "Where this recipe failed").
+SFT_450 = {"num_steps": 450, "optim.decay_steps": 430}
+
 PROFILES = {
     # Does RL learn? The config files' recipe exactly (the main job's), VC-PPO and GRPO beside their shuffled-reward
     # controls, each seed from its own SFT policy so the seeds also cover the cold start.
@@ -112,6 +116,7 @@ PROFILES = {
                                            "vcppo_rm_critic", "grpo", "ppo_bias-1", "vcppo_la0.9", "vcppo_la0.99",
                                            "vcppo_la1.0"),
                          report="mechanism", fields={
+        "sft": SFT_450,
         "rl": {"num_steps": 40, "eval_every": 10, "save_every": 20},
         "reward_model": {"truncated_fraction": 0.5},
         "value_pretrain": {"critic_init": "reward_model"},
@@ -120,6 +125,7 @@ PROFILES = {
     # 20 RL steps (the pessimistic critic holds PPO in short answers for about that long). Value pretraining starts
     # from the actor, so no reward model is trained.
     "mechanism_quick": Profile(seeds=1, methods=("ppo_bias-2", "vcppo"), report="mechanism", fields={
+        "sft": SFT_450,
         "rl": {"num_steps": 20, "eval_every": 10, "save_every": 10},
     }),
     # Where reward decay bites (README, "Long responses"): 5-9 two-digit terms, chains of thought of 130-320 tokens
@@ -131,7 +137,7 @@ PROFILES = {
                               report="mechanism", step_scale=4.0, fields={
         "common": {"task.knobs.min_terms": 5, "task.knobs.max_terms": 9, "task.max_prompt_len": 32,
                    "task.max_response_len": 336},
-        "sft": {"late_steps": 0},
+        "sft": {**SFT_450, "late_steps": 0},
         "rl": {"num_steps": 30, "eval_every": 10, "save_every": 10},
     }),
     # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.

@@ -210,7 +210,7 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
 def base_sft_config() -> ml_collections.ConfigDict:
     c = _common("sft", "runs/default/sft")
     c.batch_size = 32
-    c.num_steps = 450
+    c.num_steps = 650
     c.direct_fraction = 0.3  # fraction of traces in short "direct answer" style (lets a policy collapse to short).
     # Over the last `late_steps` steps the share is `late_direct_fraction` instead (0 steps = off): a cold start that
     # keeps the chain-of-thought skill of its main phase but ends up preferring the short answer (README, "Does RL
@@ -219,7 +219,7 @@ def base_sft_config() -> ml_collections.ConfigDict:
     c.late_direct_fraction = 0.7
     c.optim = optim_config(3e-3)
     c.optim.warmup_steps = 20
-    c.optim.decay_steps = 430
+    c.optim.decay_steps = 630
     c.eval_every = 100
     c.save_every = 100
     c.eval_prompts = 64
