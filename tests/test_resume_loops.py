@@ -287,3 +287,17 @@ def test_logged_rollout_metrics_equal_recomputed_rollouts(uninterrupted, algorit
     # returns differs from their row mean (right and wrong answers of different lengths).
     assert mixed_steps, "every rollout scored alike: pick another seed / SFT length"
     assert algorithm != "vcppo" or weighted_steps, "returns/mean check cannot tell token from row means"
+
+
+def test_critic_init_bias_shifts_the_first_steps_values(root, uninterrupted):
+    """`critic_init_bias` reaches the critic RL starts from: on the same first rollout (sampled before any update),
+    every logged value bucket and the first-token critic error sit exactly the bias below the unbiased run's."""
+    want = training_records(uninterrupted("vcppo").workdir)[0]
+    config = rl_config("vcppo", root, workdir=root / "vcppo_bias", num_steps=1, critic_init_bias=-2.0)
+    stages.run_stage(config)
+    got = training_records(config.workdir)[0]
+    assert got["rollout/accuracy"] == want["rollout/accuracy"] and got["step"] == want["step"] == 1
+    buckets = [k for k in want if k.startswith("diag/value_pos") and want[k.replace("value", "tokens")] > 0]
+    assert len(buckets) >= 2
+    for k in buckets + ["diag/value_err_first"]:
+        assert got[k] == pytest.approx(want[k] - 2.0, abs=1e-5), k
