@@ -45,13 +45,14 @@ def test_rl_and_value_stages_plan_without_reading_or_writing(tmp_path, name, pro
 
 
 def test_resident_state_is_params_and_adam_moments_by_hand(tmp_path):
-    """GRPO without KL holds the actor's params and Adam's two moments (fp32); with data=8 every device holds all."""
+    """GRPO without KL holds the actor's params, Adam's two moments and the drift probe's copy of the SFT params
+    (fp32); with data=8 every device holds all of them."""
     plan = stages.run_stage(tiny("grpo", tmp_path, kl_coef=0.0, prompts_per_step=8, mesh=ml_collections.ConfigDict(
         dict(data=8, fsdp=1, tensor=1))))
     assert set(plan["programs"]) == {"sampler", "experience", "update"}
     params = ModelConfig(vocab_size=plan_vocab(), **MODEL, tie_embeddings=True).num_params
     assert plan["params"] == params
-    np.testing.assert_allclose(plan["resident_mib"], 3 * 4 * params / 2 ** 20, rtol=1e-3)
+    np.testing.assert_allclose(plan["resident_mib"], 4 * 4 * params / 2 ** 20, rtol=1e-3)
 
 
 def plan_vocab() -> int:

@@ -33,6 +33,8 @@ from vcppo_jax import sharding
 from vcppo_jax.models import CausalLM, ModelConfig, ValueModel
 from vcppo_jax.optim import ModelState, make_optimizer, train_epochs
 from vcppo_jax.sampling import make_sampler
+from vcppo_jax.sft import sft_loss_fn
+from vcppo_jax.value_train import make_value_step
 
 MIB = 2 ** 20
 
@@ -87,8 +89,6 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
     actor = CausalLM(cfg)
     key = _replicated(rt, jax.eval_shape(lambda: jax.random.PRNGKey(0)))
     if config.stage == "sft":
-        from vcppo_jax.sft import sft_loss_fn  # noqa: PLC0415 (sft imports stages, which imports this module)
-
         tx = make_optimizer(config.optim)
         state = _abstract_state(actor, tx, rt)
         loss_fn = sft_loss_fn(actor, prompt_len=P, chunk=R)
@@ -105,8 +105,6 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
                      seq_rewards=((b,), jnp.float32), sample_logp=((b, R), jnp.float32))
     sampler = _sampler_program(actor, config, rt, b, tok, config.sampling.temperature)
     if config.stage in ("value_pretrain", "reward_model"):
-        from vcppo_jax.value_train import make_value_step  # noqa: PLC0415 (imports stages)
-
         critic, tx = ValueModel(cfg), make_optimizer(config.optim)
         state = _abstract_state(critic, tx, rt)
         step = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma,
@@ -130,8 +128,10 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
     experience = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(rt.mesh))
                   for k, v in experience.items()}
     update_fn = jax.jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx), donate_argnums=0)
+    # Without a reference policy in the state, the drift probe holds a copy of the SFT params (rl_loop.run_rl).
+    sft_copy = _abstract_params(actor, rt) if config.eval_kl_to_sft and state.ref_params is None else None
     return [sampler, ("experience", experience_fn, (state, rollout)), ("update", update_fn, (state, experience))], \
-        state
+        (state, sft_copy)
 
 
 def _bytes_per_device(tree: Any) -> int:
