@@ -55,11 +55,15 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
     return ModelConfig(**fields)
 
 
+# The `config.model` fields that say how a model computes, not what it is: a run sets them for itself, and they are
+# not part of a stage's fingerprint (`stages.settings`).
+COMPUTE_OPTIONS = ("dtype", "remat", "attention_impl", "attention_block_size")
+
+
 def with_compute_options(cfg: ModelConfig, config: ml_collections.ConfigDict) -> ModelConfig:
-    """`cfg` with this run's compute options from `config.model`: dtype, remat, attention kernel and block."""
-    m = config.model
-    return cfg.replace(dtype=m.dtype, remat=m.remat, attention_impl=m.attention_impl or None,
-                       attention_block_size=m.attention_block_size)
+    """`cfg` with this run's COMPUTE_OPTIONS from `config.model` ('' attention_impl: chosen by length, None)."""
+    options = {k: config.model[k] for k in COMPUTE_OPTIONS}
+    return cfg.replace(**options | {"attention_impl": options["attention_impl"] or None})
 
 
 def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:

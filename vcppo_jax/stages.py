@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
 from vcppo_jax import runtime as rt_lib
@@ -100,8 +101,7 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     as `qkv_bias` True/False, as before `model.model_type` existed (`_QKV_BIAS_OF_OLD_MODEL_TYPES`)."""
     task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
                                                                         "max_response_len")}
-    model = {k: v for k, v in config.model.to_dict().items()
-             if k not in ("dtype", "remat", "attention_impl", "attention_block_size")}
+    model = {k: v for k, v in config.model.to_dict().items() if k not in builders.COMPUTE_OPTIONS}
     if model["model_type"] in _QKV_BIAS_OF_OLD_MODEL_TYPES:
         model["qkv_bias"] = _QKV_BIAS_OF_OLD_MODEL_TYPES[model.pop("model_type")]
     return json.loads(json.dumps({"task": task, "model": model}))
