@@ -9,7 +9,8 @@ KL to a reference is off on both sides (TRL's default beta = 0), one PPO epoch (
 
 Each measurement runs in a fresh subprocess of this script so that its peak RSS (ru_maxrss) is its own: 'peak MiB'
 is the child's whole-process peak, 'growth MiB' is peak minus the RSS right after loading the model (i.e. what
-generation + update add, incl. XLA compile / torch autograd buffers).
+generation + update add, incl. XLA compile / torch autograd buffers). On an accelerator the length sweep also prints
+'device peak MiB', the device allocator's peak (jax `memory_stats()`; nan on CPU).
 
 Run (from the repo root):
   .venv/bin/python experiments/bench_rl_step.py --quick          # d=64 x 2 layers, 2 prompts x 4, P=16, R=32
@@ -161,9 +162,10 @@ def run_ours(o: dict) -> dict:
     iteration(0)
     first = time.perf_counter() - t0
     gens, upds = zip(*(iteration(i + 1) for i in range(o["iters"])))
+    stats = jax.devices()[0].memory_stats() or {}  # accelerators: the allocator's peak (host RSS says little there)
     return dict(first=first, gen=statistics.median(gens), update=statistics.median(upds),
                 total=statistics.median(g + u for g, u in zip(gens, upds)), base_rss=base_rss, peak=_peak_mib(),
-                params_m=cfg.num_params / 1e6)
+                params_m=cfg.num_params / 1e6, device_peak=stats.get("peak_bytes_in_use", 0) / 2**20 or None)
 
 
 def run_trl(o: dict) -> dict:
@@ -250,7 +252,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for torch and XLA (0 = defaults)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per measurement subprocess")
     parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
-    parser.add_argument("--attention", choices=("", "xla", "blockwise"), default="",
+    parser.add_argument("--attention", choices=("", "xla", "cudnn", "blockwise"), default="",
                         help="our attention kernel ('' = by length: blockwise from 1024 tokens, dense below)")
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (ours: "
                         "ModelConfig.remat; TRL: gradient_checkpointing) to cut the update's activation memory")
@@ -316,14 +318,15 @@ def main() -> None:
     if sweep:
         print(f"\nCost vs response length (vcppo_jax VC-PPO, {b} rollouts, prompt {opts['prompt_len']}):")
         header = (f"| {'response len':>12} | {'first iter s':>12} | {'gen s':>8} | {'update s':>8} | {'iter s':>8} "
-                  f"| {'peak MiB':>8} | {'growth MiB':>10} |")
+                  f"| {'peak MiB':>8} | {'growth MiB':>10} | {'device peak MiB':>15} |")
         print(header + "\n" + "|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
         for n, res in sweep.items():
             if "error" in res:
                 print(f"| {n:>12} | {res['error']}")
                 continue
             print(f"| {n:>12} | {res['first']:>12.2f} | {res['gen']:>8.3f} | {res['update']:>8.3f} "
-                  f"| {res['total']:>8.3f} | {res['peak']:>8.0f} | {res['peak'] - res['base_rss']:>10.0f} |")
+                  f"| {res['total']:>8.3f} | {res['peak']:>8.0f} | {res['peak'] - res['base_rss']:>10.0f} "
+                  f"| {res.get('device_peak') or float('nan'):>15.0f} |")
     for note in notes:
         print(note)
 

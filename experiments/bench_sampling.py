@@ -1,4 +1,5 @@
-"""Benchmarks vcppo_jax.sampling against transformers' `generate` (PyTorch CPU) on the same tiny Qwen2 checkpoint.
+"""Benchmarks vcppo_jax.sampling against transformers' `generate` (PyTorch, on the GPU when there is one) on the same
+Qwen2 checkpoint.
 
 A random Qwen2ForCausalLM is built with transformers, written with `save_pretrained` and read back into our model
 with `load_hf_checkpoint`. Both generate for the same left-padded prompts with no stop token (eos_id=None /
@@ -92,6 +93,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads for torch and XLA (0 = library "
                         "defaults)")
     parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
+    parser.add_argument("--torch-device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where transformers generates (default: cuda when available; jax uses its default)")
     args = parser.parse_args()
     if args.threads < 0:
         parser.error(f"--threads must be >= 0, got {args.threads}")
@@ -108,15 +111,15 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as folder:
         build_checkpoint(folder, opts["hidden"], opts["layers"], opts["vocab"])
-        hf_model = tr.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        hf_model = tr.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().to(args.torch_device)
         cfg, variables = load_hf_checkpoint(folder)
     model = CausalLM(cfg)
     params = jax.device_put(variables["params"])
     tokens, mask = make_prompts(b, p, cfg.vocab_size)
-    t_tokens, t_mask = torch.tensor(tokens, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    t_tokens, t_mask = (torch.tensor(x, dtype=torch.long, device=args.torch_device) for x in (tokens, mask))
 
     xla_flags = os.environ.get("XLA_FLAGS", "").strip()
-    print(f"jax {jax.__version__} ({jax.default_backend()}, XLA_FLAGS={xla_flags!r}) | torch {torch.__version__} "
+    print(f"jax {jax.__version__} ({jax.default_backend()}, XLA_FLAGS={xla_flags!r}) | torch {torch.__version__} on {args.torch_device} "
           f"threads={torch.get_num_threads()} | transformers {tr.__version__} | Qwen2 d={cfg.hidden_size} "
           f"L={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
           f"({cfg.num_params / 1e6:.2f}M params) | "
@@ -142,7 +145,7 @@ def main() -> None:
         def hf() -> np.ndarray:
             out = hf_model.generate(input_ids=t_tokens, attention_mask=t_mask, max_new_tokens=r, min_new_tokens=r,
                                     eos_token_id=None, pad_token_id=PAD_ID, **sampling)
-            return out.numpy()
+            return out.cpu().numpy()
 
         o_first, o_med, o_tokens = median_time(ours, opts["repeats"])
         h_first, h_med, h_tokens = median_time(hf, opts["repeats"])

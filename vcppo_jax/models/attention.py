@@ -155,3 +155,31 @@ def blockwise_attention(q: Array, k: Array, v: Array, kv_mask: Array, *, block_s
     num_blocks = -(-t // block_size)
     # Equal blocks of at most block_size: T = 1056 with 512 runs 3 blocks of 352, not 3 of 512 over 480 padding.
     return _attention(q, k, v, kv_mask.astype(bool), -(-t // num_blocks))
+
+
+# ---------------------------------------------------------------------------------------- cuDNN, made safe for us
+CUDNN_SEQ_MULTIPLE = 64  # the fused kernel's constraint on query and key lengths when it is differentiated
+
+
+def cudnn_attention(q: Array, k: Array, v: Array, mask: Array, *, implementation: str = "cudnn") -> Array:
+    """cuDNN's fused attention (`jax.nn.dot_product_attention(implementation='cudnn')`) for our dense masks.
+
+    q [B, T, N, H], k/v [B, S, K, H], mask [B, 1, T, S] (boolean) -> [B, T, N, H]. Two of our inputs break the
+    kernel as it is, seen on an H200 (jax 0.11.2):
+    - a query row that sees no key (a left-padding row) makes its backward NaN, and with it the whole gradient (the
+      dense XLA path stays finite). Such a row is given its own key; its output is never used.
+    - self-attention of a length that is not a multiple of 64 (a training pass over prompt + response - 1 tokens) is
+      refused. T == S (training passes, the sampler's prefill) is padded with invisible tokens; decode steps
+      (T = 1 against the cache) run as they are.
+    `implementation` exists for the CPU test of this wrapper ('xla' runs the same padding through the dense kernel).
+    """
+    t, s = q.shape[1], mask.shape[-1]
+    if t == s:
+        pad = -t % CUDNN_SEQ_MULTIPLE
+        if pad:
+            q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+            mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad), (0, pad)))
+        sees_nothing = ~mask.any(axis=-1, keepdims=True)
+        mask = mask | (sees_nothing & jnp.eye(t + pad, dtype=bool))
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    return out[:, :t]

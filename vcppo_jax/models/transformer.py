@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vcppo_jax.models.attention import blockwise_attention
+from vcppo_jax.models.attention import blockwise_attention, cudnn_attention
 from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig
 
 Array = jax.Array
@@ -193,6 +193,8 @@ class Attention(nn.Module):
             key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
         if mask.ndim == 2:
             out = blockwise_attention(q, key, val, mask, block_size=cfg.attention_block_size)
+        elif cfg.attention_impl == "cudnn":
+            out = cudnn_attention(q, key, val, mask)
         else:
             impl = None if cfg.attention_impl == "blockwise" else cfg.attention_impl
             out = jax.nn.dot_product_attention(q, key, val, mask=mask, implementation=impl)
