@@ -49,9 +49,6 @@ RTOL, ATOL = 1e-4, 1e-5
 # states are split across hosts; the 1-process runs use test_pipeline's data=2, fsdp=2, tensor=2.
 TWO_PROCESS_MESH = dict(data=1, fsdp=4, tensor=2)
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
-
-
 def rl_config(root, **fields) -> ml_collections.ConfigDict:
     c = tiny_config("vcppo", root, num_steps=N, save_every=1, max_to_keep=N, eval_every=K)
     c.update({k: str(v) if isinstance(v, pathlib.Path) else v for k, v in fields.items()})

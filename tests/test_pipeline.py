@@ -2,8 +2,8 @@
 
 The stages run once into a module-scoped directory (VC-PPO runs SFT and value pretraining itself, PPO then trains
 its reward model, GRPO reuses the SFT run) and every test builds on those checkpoints. The loops jit fresh closures
-on each call, so a repeated run (resume, fallback, ...) would compile the same programs again; a persistent
-compilation cache in a module-scoped temp dir lets it load them instead (compiling the update dominates on CPU).
+on each call, so a repeated run (resume, fallback, ...) would compile the same programs again; the session's
+persistent compilation cache (conftest.py) lets it load them instead (compiling the update dominates on CPU).
 """
 
 import json
@@ -105,9 +105,6 @@ def assert_same_rl_state(workdir, reference):
     cfg = model_config(reference)
     for model, key in ((CausalLM(cfg), "actor/params"), (ValueModel(cfg), "critic/critic_params")):
         assert_trees_close(load(workdir, model, key), load(reference, model, key), rtol=0, atol=1e-6)
-
-
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
 
 
 @pytest.fixture(scope="module")

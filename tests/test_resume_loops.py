@@ -16,7 +16,8 @@ sequence reward.
 
 The policy is an SFT run long enough to answer some 1-digit sums right, so rollouts mix right and wrong answers
 of different lengths (checked: otherwise (B) could not tell a token mean from a row mean, and GRPO would not
-move). A persistent compilation cache lets repeated runs load the programs the first run compiled.
+move). The session's persistent compilation cache (conftest.py) lets repeated runs load the programs the first run
+compiled.
 """
 
 import json
@@ -133,9 +134,6 @@ def moved(a, b) -> bool:
     return any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
 
-pytestmark = pytest.mark.usefixtures("compilation_cache")  # conftest.py
-
-
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     """A module-scoped pipeline root holding the shared SFT run."""
@@ -223,25 +221,28 @@ def test_grpo_resumes_with_the_drift_probe(root, uninterrupted):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def recompute_rollout(config: ml_collections.ConfigDict, step: int) -> dict:
-    """Rows of RL iteration `step` (0-based) sampled again here: responses, lengths and verifier rewards."""
+def policy_after(config: ml_collections.ConfigDict, step: int):
+    """(runtime, actor, params) of the policy after `step` RL updates: the SFT checkpoint for 0, else the run's."""
     rt = rt_lib.make_runtime(config)
     cfg = builders.model_config_from_json(ckpt_lib.read_meta(config.sft_dir)["model_config"], config)
     actor = CausalLM(cfg)
     abstract = rt_lib.abstract_params(actor)
     target = rt_lib.with_shardings(abstract, rt.shardings(abstract))
-    # The policy that sampled iteration `step`: SFT for the first, else the run's checkpoint after `step` updates.
     params = (ckpt_lib.load_params(config.sft_dir, target, key="params") if step == 0 else
               ckpt_lib.load_params(config.workdir, target, key="actor/params", step=step))
+    return rt, actor, params
+
+
+def sample_and_score(config, step: int, split: str, indices, *, group_size: int, temperature: float, rng) -> dict:
+    """Responses of the policy after `step` updates to the records `indices` of `split` (each `group_size` times):
+    lengths, verifier rewards and texts, decoded here."""
+    rt, actor, params = policy_after(config, step)
     tok = builders.tokenizer(config)
-    train = builders.task_source(config, config.task.train_split)
     verifier = builders.verifier(config)
     s, P, R = config.sampling, config.task.max_prompt_len, config.task.max_response_len
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-    idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
-    pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
-    rng = jax.random.fold_in(jax.random.PRNGKey(config.seed), step)
+                           temperature=temperature, top_k=s.top_k, top_p=s.top_p)
+    pb = prompt_batch(builders.task_source(config, split), indices, tok, max_prompt_len=P, group_size=group_size)
     with rt.context():
         out = jax.device_get(sampler(params, rt.place_batch(pb.tokens), rt.place_batch(pb.mask), rng))
     lengths = np.asarray(out.lengths)
@@ -254,6 +255,15 @@ def recompute_rollout(config: ml_collections.ConfigDict, step: int) -> dict:
         texts.append(tok.decode(ids))
     rewards = np.array([verifier(t, a) for t, a in zip(texts, pb.answers)], np.float64)
     return dict(lengths=lengths.astype(np.float64), rewards=rewards, texts=texts, answers=pb.answers)
+
+
+def recompute_rollout(config: ml_collections.ConfigDict, step: int) -> dict:
+    """Rows of RL iteration `step` (0-based) sampled again here, with the documented prompts and key."""
+    train_size = len(builders.task_source(config, config.task.train_split))
+    idx = batch_indices(train_size, config.prompts_per_step, step, config.seed)
+    return sample_and_score(config, step, config.task.train_split, idx, group_size=config.group_size,
+                            temperature=config.sampling.temperature,
+                            rng=jax.random.fold_in(jax.random.PRNGKey(config.seed), step))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -287,6 +297,30 @@ def test_logged_rollout_metrics_equal_recomputed_rollouts(uninterrupted, algorit
     # returns differs from their row mean (right and wrong answers of different lengths).
     assert mixed_steps, "every rollout scored alike: pick another seed / SFT length"
     assert algorithm != "vcppo" or weighted_steps, "returns/mean check cannot tell token from row means"
+
+
+def test_logged_greedy_eval_equals_greedy_decoding_here(uninterrupted):
+    """The eval records (steps 0 and N) are the greedy policy's: pass@1, mean length and direct-answer fraction
+    of argmax decoding of the first `eval_prompts` test records, decoded and scored here, equal the logged ones."""
+    config = uninterrupted("vcppo")
+    assert config.sampling.temperature > 0  # a sampled eval would differ from greedy decoding
+    logged = {r["step"]: r for r in records(config.workdir) if "eval/pass@1" in r}
+    batch = min(config.eval_prompts, config.prompts_per_step * config.group_size)
+    num_prompts = min(config.eval_prompts, len(builders.task_source(config, config.task.test_split)))
+    lengths = []
+    for step in (0, N):
+        got = []
+        for start in range(0, num_prompts - num_prompts % batch, batch):
+            got.append(sample_and_score(config, step, config.task.test_split, range(start, start + batch),
+                                        group_size=1, temperature=0.0, rng=jax.random.PRNGKey(12345)))
+        rewards = np.concatenate([g["rewards"] for g in got])
+        lens = np.concatenate([g["lengths"] for g in got])
+        texts = [t for g in got for t in g["texts"]]
+        want = {"eval/pass@1": np.mean(rewards >= config.reward_correct), "eval/response_length_mean": lens.mean(),
+                "eval/direct_fraction": np.mean(["\n" not in t.strip() for t in texts])}
+        assert {k: logged[step][k] for k in want} == pytest.approx(want, rel=1e-6), step
+        lengths.append(lens)
+    assert len(set(np.concatenate(lengths))) > 1  # not vacuous: lengths vary, so a sampled eval would show
 
 
 def test_critic_init_bias_shifts_the_first_steps_values(root, uninterrupted):
