@@ -50,6 +50,7 @@ import ml_collections  # noqa: E402
 import plot_results  # noqa: E402
 from vcppo_jax import config as config_lib  # noqa: E402
 from vcppo_jax import runtime  # noqa: E402
+from vcppo_jax import stage_meta  # noqa: E402
 from vcppo_jax import stages  # noqa: E402
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
@@ -246,7 +247,7 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
         rl_runs = [rl_config(m, seed, out, profile, rl_set, stages_from) for m in methods]
         stage_cfgs: dict[str, ml_collections.ConfigDict] = {}
         for c in rl_runs:
-            todo = list(stages.prerequisites(c))
+            todo = list(stage_meta.prerequisites(c))
             while todo:  # a stage's own prerequisites too (value pretraining may start from the reward model)
                 stage, workdir = todo.pop(0)
                 if stages_from is not None:
@@ -260,13 +261,13 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
                     if stage == "value_pretrain" and sc.critic_init == "reward_model":
                         sc.critic_dir = str(pathlib.Path(workdir).parent / "reward_model")
                     stage_cfgs[stage] = config_lib.validate(sc)
-                    todo += stages.prerequisites(sc)
+                    todo += stage_meta.prerequisites(sc)
         for stage in STAGE_ORDER:
             if stage in stage_cfgs:
                 sc = stage_cfgs[stage]
                 planned.add(sc.workdir)
-                plan.append(Run(stage, seed, sc, tuple(w for _, w in stages.prerequisites(sc))))
-        plan += [Run(m, seed, c, tuple(w for _, w in stages.prerequisites(c))) for m, c in zip(methods, rl_runs)]
+                plan.append(Run(stage, seed, sc, tuple(w for _, w in stage_meta.prerequisites(sc))))
+        plan += [Run(m, seed, c, tuple(w for _, w in stage_meta.prerequisites(c))) for m, c in zip(methods, rl_runs)]
     return plan
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vcppo_jax import builders, stages
+from vcppo_jax import builders, stage_meta, stages
 from vcppo_jax import config as config_lib
 from vcppo_jax.models import ModelConfig
 
@@ -204,13 +204,13 @@ def test_model_type_keeps_stages_recorded_before_it_current():
     """Adding model.model_type (which replaced model.qkv_bias) neither makes finished stages look stale nor breaks
     loading the ModelConfig they saved; a Qwen3 model is fingerprinted apart from both older families."""
     c = load("sft")
-    assert stages.settings(c)["model"] == RECORDED_MODEL_SETTINGS
+    assert stage_meta.settings(c)["model"] == RECORDED_MODEL_SETTINGS
     assert builders.model_config_from_json(RECORDED_MODEL_CONFIG) == builders.model_config(c, 55)
     c.model.model_type = "llama"
-    assert stages.settings(c)["model"] == {**RECORDED_MODEL_SETTINGS, "qkv_bias": False}
+    assert stage_meta.settings(c)["model"] == {**RECORDED_MODEL_SETTINGS, "qkv_bias": False}
     assert builders.model_config_from_json({**RECORDED_MODEL_CONFIG, "qkv_bias": False}).model_type == "llama"
     c.model.model_type = "qwen3"
-    qwen3 = stages.settings(c)["model"]
+    qwen3 = stage_meta.settings(c)["model"]
     assert qwen3["model_type"] == "qwen3" and "qkv_bias" not in qwen3
     saved = builders.model_config_to_json(builders.model_config(c, 55))
     assert builders.model_config_from_json(saved).qk_norm and "qkv_bias" not in saved
@@ -220,9 +220,9 @@ def test_compute_options_leave_stage_settings_unchanged():
     """dtype, remat and the attention kernel change how a model computes, not what it is: finished stages stay
     valid when they change."""
     c = load("sft")
-    before = stages.settings(c)
+    before = stage_meta.settings(c)
     c.model.update(dtype="bfloat16", remat=True, attention_impl="blockwise", attention_block_size=64)
-    assert stages.settings(c) == before
+    assert stage_meta.settings(c) == before
 
 
 def test_config_model_maps_onto_model_config_by_name():

@@ -28,6 +28,7 @@ from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax import stage_meta
 from vcppo_jax import stages
 from vcppo_jax import value_train
 from vcppo_jax.config import ConfigError
@@ -370,7 +371,7 @@ def test_each_stage_records_what_it_was_built_from(runs):
     assert sft["upstream"] == {} and len({sft["run_id"], vpt["run_id"], rl["run_id"]}) == 3
     assert vpt["upstream"] == {"sft": sft["run_id"]}
     assert rl["upstream"] == {"sft": sft["run_id"], "value_pretrain": vpt["run_id"]}
-    assert rl["settings"] == sft["settings"] == stages.settings(config)
+    assert rl["settings"] == sft["settings"] == stage_meta.settings(config)
     assert ckpt_lib.read_meta(config.workdir, step=1)["provenance"] == rl  # the same run id at every step
 
 

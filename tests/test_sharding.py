@@ -130,13 +130,7 @@ def test_fit_spec_keeps_longest_dividing_prefix():
         shd.fit_spec(P("data", None, None), (4, 4), mesh)
 
 
-def test_make_rules_overrides_and_validation():
-    rules = shd.make_rules({"embed": None, "mlp": ("fsdp", "tensor"), "experts": "data"})
-    as_dict = dict(rules)
-    assert as_dict["embed"] is None and as_dict["mlp"] == ("fsdp", "tensor") and as_dict["experts"] == "data"
-    assert [n for n, _ in rules][: len(shd.DEFAULT_LOGICAL_RULES)] == [n for n, _ in shd.DEFAULT_LOGICAL_RULES]
-    with pytest.raises(ValueError, match=r"'mlp'.*must be distinct names from \('data', 'fsdp', 'tensor'\)"):
-        shd.make_rules({"mlp": "model"})
+def test_rules_naming_a_mesh_axis_the_mesh_lacks_fail():
     mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(8), ("data",))
     with pytest.raises(ValueError, match=r"names mesh axis 'fsdp'"):
         shd.logical_shardings({"w": jnp.zeros(4)}, mesh, shd.DEFAULT_LOGICAL_RULES)

@@ -19,7 +19,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -104,21 +104,35 @@ def _jsonable(x: Any) -> Any:
     return x
 
 
-def prng_to_json(key: jax.Array) -> list[int]:
-    """A PRNG key (typed `jax.random.key` or raw uint32 `PRNGKey`) as a list of ints for `meta`."""
-    data = jax.random.key_data(key) if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) else key
-    return np.asarray(data).astype(np.uint32).ravel().tolist()
-
-
-def prng_from_json(data: Sequence[int], *, typed: bool = True) -> jax.Array:
-    """Inverse of `prng_to_json` for the default threefry implementation (2 x uint32)."""
-    raw = np.asarray(data, np.uint32)
-    return jax.random.wrap_key_data(raw) if typed else jax.numpy.asarray(raw)
-
-
 # ----------------------------------------------------------------------------------------------
 # Checkpointer
 # ----------------------------------------------------------------------------------------------
+
+
+def _newest_readable(steps: Sequence[int], read: Callable[[int], Any], where: Callable[[int], str],
+                     run: str) -> tuple[int, Any, list[int]]:
+    """(step, read(step), unreadable newer steps) for the newest of `steps` (newest first) that reads.
+
+    A CheckpointMismatchError (readable, but not what the caller expects: a code or config change) propagates at
+    once. Any other failure makes that step unusable: with older steps left it is skipped with a warning; when no
+    step reads, RuntimeError names each failure (`where(step)`: how a step is named; `run`: the run directory).
+    """
+    failures: list[tuple[int, Exception]] = []
+    for s in steps:
+        try:
+            return s, read(s), [b for b, _ in failures]
+        except CheckpointMismatchError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any read failure means "this step is unusable"
+            if s != steps[-1]:
+                logging.warning("%s is unreadable (%s: %s); trying the previous step", where(s), type(e).__name__,
+                                str(e)[:500])
+            failures.append((s, e))
+    if len(failures) == 1:
+        (s, e), = failures
+        raise RuntimeError(f"{where(s)} is unreadable ({type(e).__name__}: {str(e)[:500]})") from e
+    details = "; ".join(f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in failures)
+    raise RuntimeError(f"no restorable checkpoint in {run} ({details})")
 
 
 class Checkpointer:
@@ -228,34 +242,14 @@ class Checkpointer:
         if step is not None:
             if step not in steps:
                 raise FileNotFoundError(f"no checkpoint step {step} in {self.directory}; available: {sorted(steps)}")
-            try:
-                state, meta = self._restore_step(step, target)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001
-                raise RuntimeError(
-                    f"checkpoint step {step} in {self.directory} is unreadable ({type(e).__name__}: {str(e)[:500]})"
-                ) from e
-            return state, meta, step
+            steps = [step]
         if not steps:
             raise FileNotFoundError(f"no checkpoint found in {self.directory}")
-        bad: list[tuple[int, Exception]] = []
-        for s in steps:
-            try:
-                state, meta = self._restore_step(s, target)
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any read failure means "this step is unusable"
-                logging.warning(
-                    "checkpoint step %d in %s is unreadable (%s: %s); trying the previous step",
-                    s, self.directory, type(e).__name__, str(e)[:500],
-                )
-                bad.append((s, e))
-                continue
-            self._quarantine([b for b, _ in bad])
-            return state, meta, s
-        details = "; ".join(f"step {s}: {type(e).__name__}: {str(e)[:200]}" for s, e in bad)
-        raise RuntimeError(f"no restorable checkpoint in {self.directory} ({details})")
+        found, (state, meta), bad = _newest_readable(steps, lambda s: self._restore_step(s, target),
+                                                     lambda s: f"checkpoint step {s} in {self.directory}",
+                                                     str(self.directory))
+        self._quarantine(bad)
+        return state, meta, found
 
     def _quarantine(self, steps: Sequence[int]) -> None:
         """Move unreadable steps out of orbax's view (kept for inspection, never deleted)."""
@@ -355,23 +349,9 @@ def load_params(
         if not steps:
             raise FileNotFoundError(f"no checkpoint found in {path}{suffix}")
         target = _abstract(abstract_params)
-        for s in steps[:-1]:
-            try:
-                return _load_subtree(manager, s, keys, target, f"checkpoint {run_dir / str(s)}")
-            except CheckpointMismatchError:
-                raise
-            except Exception as e:  # noqa: BLE001 - unreadable step: try the previous one
-                logging.warning(
-                    "checkpoint %s is unreadable (%s: %s); trying the previous step",
-                    run_dir / str(s), type(e).__name__, str(e)[:500],
-                )
-        where = f"checkpoint {run_dir / str(steps[-1])}"
-        try:
-            return _load_subtree(manager, steps[-1], keys, target, where)
-        except CheckpointMismatchError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise RuntimeError(f"{where} is unreadable ({type(e).__name__}: {str(e)[:500]})") from e
+        where = lambda s: f"checkpoint {run_dir / str(s)}"  # noqa: E731
+        return _newest_readable(steps, lambda s: _load_subtree(manager, s, keys, target, where(s)), where,
+                                str(run_dir))[1]
     finally:
         manager.close()
 
@@ -443,10 +423,11 @@ def read_meta(directory: str | epath.PathLike, step: int | None = None) -> dict 
     manager = ocp.CheckpointManager(path, options=ocp.CheckpointManagerOptions(read_only=True),
                                     item_handlers={META: ocp.JsonCheckpointHandler()})
     steps = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
-    for s in steps:
-        try:
-            return dict(manager.restore(s, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])
-        except Exception as e:  # noqa: BLE001 - an unreadable step: try the previous one
-            logging.warning("meta of checkpoint step %s in %s is unreadable (%s); trying the previous step", s,
-                            path, type(e).__name__)
-    return None
+    read = lambda s: dict(manager.restore(s, args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META])  # noqa
+    if not steps:
+        return None
+    try:
+        return _newest_readable(steps, read, lambda s: f"meta of checkpoint step {s} in {path}", str(path))[1]
+    except RuntimeError as e:  # no step's meta reads: as if the run had no checkpoint
+        logging.warning("%s", e)
+        return None

@@ -20,6 +20,7 @@ from vcppo_jax import hooks
 from vcppo_jax import metrics as metrics_lib
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax import stage_meta
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shift_value_head
@@ -53,12 +54,10 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     hp = rl.RLHparams.from_config(config)
     batch = config.prompts_per_step * config.group_size
     rt = rt_lib.make_runtime(config)
-    from vcppo_jax.stages import provenance as stage_provenance  # noqa: PLC0415
-    from vcppo_jax.stages import stage_meta  # noqa: PLC0415
 
-    sft_meta = stage_meta(config.sft_dir, "sft")
+    sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
     if hp.has_critic and config.critic_init != "actor":
-        stage_meta(config.critic_dir, config.critic_init)
+        stage_meta.finished_meta(config.critic_dir, config.critic_init)
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
     tok = builders.tokenizer(config)
     train = builders.task_source(config, config.task.train_split)
@@ -111,7 +110,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
 
     ckpt = rt_lib.checkpointer(config)
     state_d, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
-    prov = stage_provenance(config, meta)
+    prov = stage_meta.provenance(config, meta)
     state = state_from_dict(state_d)
     state_sh = jax.tree.map(lambda x: x.sharding, state)
 

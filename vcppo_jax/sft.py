@@ -13,7 +13,7 @@ from vcppo_jax import config as config_lib
 from vcppo_jax import losses
 from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
-from vcppo_jax import stages
+from vcppo_jax import stage_meta
 from vcppo_jax.data.batching import batch_indices, encode_sft
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
@@ -85,7 +85,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
     sampler = make_sampler(model, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                            temperature=0.0)
     meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False,
-            "provenance": stages.provenance(config, restored_meta)}
+            "provenance": stage_meta.provenance(config, restored_meta)}
     correct = 1.0
     last_eval: dict = {}
 

@@ -9,7 +9,7 @@ Typical use in a trainer:
 
     maybe_initialize_distributed()                       # before any other JAX call
     mesh = make_mesh(data=-1, fsdp=cfg.fsdp, tensor=cfg.tensor)
-    rules = make_rules(cfg.logical_axis_rules)           # {} -> DEFAULT_LOGICAL_RULES
+    rules = DEFAULT_LOGICAL_RULES
     abstract = jax.eval_shape(init_fn, rng)              # leaves boxed by with_logical_partitioning
     shardings = logical_shardings(abstract, mesh, rules)
     state = jax.jit(lambda r: nn.unbox(init_fn(r)), out_shardings=shardings)(rng)
@@ -108,37 +108,6 @@ def use_mesh(mesh: Mesh, rules: LogicalRules = DEFAULT_LOGICAL_RULES) -> Iterato
 # ----------------------------------------------------------------------------------------------
 # Logical rules -> shardings
 # ----------------------------------------------------------------------------------------------
-
-
-def _as_mesh_axes(value: Any, where: str) -> MeshAxes:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = (value,)
-    value = tuple(value)
-    bad = [a for a in value if a not in MESH_AXES]
-    if bad or not value or len(set(value)) != len(value):
-        raise ValueError(f"{where}: mesh axes {value!r} must be distinct names from {MESH_AXES} (or None)")
-    return value[0] if len(value) == 1 else value
-
-
-def make_rules(
-    overrides: Mapping[str, Any] | Sequence[tuple[str, Any]] | None = None,
-    base: LogicalRules = DEFAULT_LOGICAL_RULES,
-) -> LogicalRules:
-    """`base` with per-logical-axis overrides (e.g. from a config: {'embed': None, 'mlp': 'fsdp'}).
-
-    An override replaces the mesh axes of an existing logical name in place (keeping its priority);
-    new logical names are appended. Mesh axes are validated against ('data', 'fsdp', 'tensor').
-    """
-    # ConfigDict is not a Mapping subclass but has .items().
-    items = list(overrides.items()) if hasattr(overrides, "items") else list(overrides or ())
-    rules = {name: _as_mesh_axes(axes, f"logical rule {name!r}") for name, axes in base}
-    for name, axes in items:
-        if not isinstance(name, str):
-            raise ValueError(f"logical axis names must be str, got {name!r}")
-        rules[name] = _as_mesh_axes(axes, f"logical rule override {name!r}")
-    return tuple(rules.items())
 
 
 def _axis_names(axes: MeshAxes) -> tuple[str, ...]:

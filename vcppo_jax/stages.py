@@ -16,28 +16,25 @@ stages it was started from.
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import pathlib
 import sys
-import uuid
 from typing import Any, Callable
 
 import ml_collections
 
-from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax.dry_run import plan as dry_run_plan
+from vcppo_jax.rl_loop import run_rl
+from vcppo_jax.sft import run_sft
+from vcppo_jax.stage_meta import finished_meta, prerequisites, provenance_of, run_id, settings
+from vcppo_jax.value_train import run_value_training
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
-ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_reward_model.py",
-               "value_pretrain": "experiments/pretrain_value.py", "rl": "experiments/train.py"}
 # The critic stages must see the responses RL will see: same sampling distribution.
 _SHARED = ("model", "task", "mesh", "seed", "sampling", "tensorboard", "progress_bar")
-# `model.model_type` replaced `model.qkv_bias` after stages first recorded their settings: the families that existed
-# then are fingerprinted in the old spelling, so that their finished stages do not look stale.
-_QKV_BIAS_OF_OLD_MODEL_TYPES = {"qwen2": True, "llama": False}
 
 
 def load_config_file(name: str) -> ml_collections.ConfigDict:
@@ -51,15 +48,6 @@ def load_config_file(name: str) -> ml_collections.ConfigDict:
 def stage_done(workdir: str) -> bool:
     meta = ckpt_lib.read_meta(workdir)
     return bool(meta and meta.get("done"))
-
-
-def stage_meta(workdir: str, stage: str) -> dict:
-    meta = ckpt_lib.read_meta(workdir)
-    if not meta or not meta.get("done"):
-        raise FileNotFoundError(f"no finished {stage} checkpoint in {workdir!r}; run "
-                                f"`python {ENTRYPOINTS[stage]} --config=configs/{stage}.py` first (or point the "
-                                "config at an existing run)")
-    return meta
 
 
 def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) -> ml_collections.ConfigDict:
@@ -81,47 +69,6 @@ def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) 
         elif v is not None:
             c[k] = v
     return config_lib.validate(c)
-
-
-def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
-    """(stage, workdir) pairs this run needs finished, in order."""
-    needs = []
-    if config.stage in ("rl", "value_pretrain", "reward_model"):
-        needs.append(("sft", config.sft_dir))
-    if config.stage == "rl" and config.critic_init in ("value_pretrain", "reward_model"):
-        needs.append((config.critic_init, config.critic_dir))
-    if config.stage == "value_pretrain" and config.critic_init == "reward_model":
-        needs.append(("reward_model", config.critic_dir))
-    return needs
-
-
-def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The settings a stage's checkpoint is only valid for: the task's data (not where it is stored) and the
-    model's architecture fields (not its compute options), as JSON would store them. qwen2 and llama are recorded
-    as `qkv_bias` True/False, as before `model.model_type` existed (`_QKV_BIAS_OF_OLD_MODEL_TYPES`)."""
-    task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
-                                                                        "max_response_len")}
-    model = {k: v for k, v in config.model.to_dict().items() if k not in builders.COMPUTE_OPTIONS}
-    if model["model_type"] in _QKV_BIAS_OF_OLD_MODEL_TYPES:
-        model["qkv_bias"] = _QKV_BIAS_OF_OLD_MODEL_TYPES[model.pop("model_type")]
-    return json.loads(json.dumps({"task": task, "model": model}))
-
-
-def _provenance_of(workdir: str) -> dict | None:
-    """The `provenance` of the run in `workdir` (None: no checkpoint, or built before provenance was recorded)."""
-    return (ckpt_lib.read_meta(workdir) or {}).get("provenance")
-
-
-def _run_id(workdir: str) -> str | None:
-    return (_provenance_of(workdir) or {}).get("run_id")
-
-
-def provenance(config: ml_collections.ConfigDict, meta: dict) -> dict[str, Any]:
-    """The `provenance` entry of this run's checkpoint meta. `meta`: the restored checkpoint's ({} for a fresh run),
-    whose run id and upstream run ids a resumed run keeps."""
-    old = meta.get("provenance") or {}
-    return {"run_id": old.get("run_id") or uuid.uuid4().hex, "settings": settings(config),
-            "upstream": old.get("upstream") or {stage: _run_id(workdir) for stage, workdir in prerequisites(config)}}
 
 
 def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]]:
@@ -153,7 +100,7 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
         if why:
             stale.append((stage, workdir, "; ".join(why)))
             rebuilt.add(stage)
-    own = _provenance_of(config.workdir) if config.get("resume", True) else None
+    own = provenance_of(config.workdir) if config.get("resume", True) else None
     for up, up_id in (own or {}).get("upstream", {}).items():
         if up in rebuilt or current.get(up) not in (None, up_id):
             raise ValueError(f"{config.workdir} was started from {up} run {up_id}, but {up} in {dirs[up]} is now "
@@ -164,7 +111,7 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
 
 def _move_aside(workdir: str) -> str:
     path = pathlib.Path(workdir)
-    name = f"{path.name}.stale-{_run_id(workdir) or 'unknown'}"
+    name = f"{path.name}.stale-{run_id(workdir) or 'unknown'}"
     target, n = path.with_name(name), 1
     while target.exists():
         target, n = path.with_name(f"{name}-{n}"), n + 1
@@ -187,7 +134,7 @@ def ensure_prerequisites(config: ml_collections.ConfigDict) -> None:
     missing = [(stage, workdir) for stage, workdir in prerequisites(config)
                if workdir in stale_dirs or not stage_done(workdir)]
     if missing and not config.get("run_missing_stages", False):
-        stage_meta(missing[0][1], missing[0][0])  # raises the explanatory error
+        finished_meta(missing[0][1], missing[0][0])  # raises the explanatory error
     plan = [derived_config(config, stage, workdir) for stage, workdir in missing]
     for c in plan + ([config] if plan else []):
         rt_lib.make_runtime(c)
@@ -204,16 +151,12 @@ def run_stage(config: ml_collections.ConfigDict) -> Any:
     """Validates, brings in missing earlier stages, then runs this stage's loop (`dry_run`: only its memory plan)."""
     config_lib.validate(config)
     if config.dry_run:
-        from vcppo_jax.dry_run import plan
-        return plan(config)
+        return dry_run_plan(config)
     ensure_prerequisites(config)
     if config.stage == "sft":
-        from vcppo_jax.sft import run_sft
         return run_sft(config)
     if config.stage in ("value_pretrain", "reward_model"):
-        from vcppo_jax.value_train import run_value_training
         return run_value_training(config)
-    from vcppo_jax.rl_loop import run_rl
     return run_rl(config)
 
 

@@ -23,6 +23,7 @@ from vcppo_jax import config as config_lib
 from vcppo_jax import gae as gae_lib
 from vcppo_jax import losses
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax import stage_meta
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
@@ -101,10 +102,8 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     config_lib.validate(config)
     rt = rt_lib.make_runtime(config)
     eos_only = config.stage == "reward_model"
-    from vcppo_jax.stages import provenance as stage_provenance  # noqa: PLC0415 (stages imports this module lazily)
-    from vcppo_jax.stages import stage_meta  # noqa: PLC0415
 
-    sft_meta = stage_meta(config.sft_dir, "sft")
+    sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
     tok = builders.tokenizer(config)
     train = builders.task_source(config, config.task.train_split)
@@ -135,7 +134,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     state, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
     state = rt_lib.model_state_from_dict(state, "critic_params")
     history = meta.get("history", {"loss": [], "ev": []})
-    prov = stage_provenance(config, meta)
+    prov = stage_meta.provenance(config, meta)
 
     with rt.context():
         step_fn = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
