@@ -10,7 +10,7 @@ import tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from vcppo_jax.data import load_task, math_tasks, synthetic
-from vcppo_jax.data.batching import batch_indices, encode_prompts, encode_sft
+from vcppo_jax.data.batching import batch_indices, encode_prompts, encode_sft, trim_sft_padding
 from vcppo_jax.tokenizer import load_tokenizer, synthetic_tokenizer
 
 SMALL = dict(num_train=300, num_test=40)
@@ -259,6 +259,24 @@ def test_encode_sft_layout(tok):
     assert cut['response_mask'][1].all() and tok.eos_token_id not in cut['tokens'][1, P:]
     with pytest.raises(ValueError, match='same length'):
         encode_sft(tok, prompts, targets[:1], P, R)
+
+
+def test_trim_sft_padding_keeps_every_real_token_and_rounds_up(tok):
+    prompts, targets = ['1+2=?\n', '10+20=?\n'], ['Answer: 3', 'a\nAnswer: 30']
+    P, R = 12, 14
+    full = encode_sft(tok, prompts, targets, P, R)
+    longest_p, longest_r = full['prompt_mask'].sum(1).max(), full['response_mask'].sum(1).max()
+    assert longest_p < P and longest_r < R  # there is padding to trim
+    exact = trim_sft_padding(full, 1)
+    assert exact['prompt_mask'].shape[1] == longest_p and exact['response_mask'].shape[1] == longest_r
+    for k in full:  # the kept columns are the full batch's, and every real token is kept
+        assert exact[k].shape[1] in (longest_p, longest_r, longest_p + longest_r)
+        assert exact[k].sum() == full[k].sum()
+    assert np.array_equal(exact['tokens'], full['tokens'][:, P - longest_p:P + longest_r])
+    rounded = trim_sft_padding(full, 4)
+    assert rounded['prompt_mask'].shape[1] == min(P, -(-longest_p // 4) * 4)
+    assert rounded['response_mask'].shape[1] == min(R, -(-longest_r // 4) * 4)
+    assert trim_sft_padding(full, 64)['tokens'].shape == full['tokens'].shape  # never longer than before
 
 
 # ----------------------------------------------------------------------------- tokenizer

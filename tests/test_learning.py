@@ -60,7 +60,7 @@ def sft_policy():
     c.optim.lr, c.optim.warmup_steps, c.optim.decay_steps = 3e-3, 10, 290
     tx = make_optimizer(c.optim)
     state = init_model_state(init_params(ACTOR, jax.random.PRNGKey(0))["params"], tx)
-    loss_fn = sft_loss_fn(ACTOR, prompt_len=P, chunk=R)
+    loss_fn = sft_loss_fn(ACTOR, chunk=R)
     step = jax.jit(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
                                              num_minibatches=1))
     rs = np.random.RandomState(0)

@@ -521,7 +521,7 @@ def test_update_never_changes_ref_params_and_measures_movement():
 
 
 def test_sft_loss_is_response_token_nll_and_ignores_padding():
-    loss_fn = jit(sft_loss_fn(ACTOR, prompt_len=P, chunk=CHUNK))
+    loss_fn = jit(sft_loss_fn(ACTOR, chunk=CHUNK))
     ro = hand_rollout(seed=7)
     batch = dict(tokens=ro["tokens"], attn_mask=ro["attn_mask"], response_mask=ro["response_mask"])
     loss, m = loss_fn(actor_params(), batch)
@@ -543,3 +543,19 @@ def test_sft_loss_is_response_token_nll_and_ignores_padding():
     changed[1, P + 2] = (changed[1, P + 2] % (V - 1)) + 1
     loss3, _ = loss_fn(actor_params(), dict(batch, tokens=jnp.asarray(changed, jnp.int32)))
     assert abs(float(loss3) - float(loss)) > 1e-4
+
+
+def test_sft_loss_of_a_batch_trimmed_of_padding_is_unchanged():
+    """`pad_to_multiple`: the loss reads the prompt length from the shapes, so the batch without its all-padding
+    columns (prompt left padding, response right padding) gives the full batch's loss."""
+    loss_fn = jit(sft_loss_fn(ACTOR, chunk=CHUNK))
+    rows = [0, 2, 3, 5, 6]  # prompts of at most 3 of P = 4 tokens, responses of at most 5 of R = 6
+    ro = hand_rollout(seed=9)
+    full = {k: np.asarray(ro[k])[rows] for k in ("tokens", "attn_mask", "response_mask")}
+    p, r = PROMPT_LENS[rows].max(), RESP_LENS[rows].max()
+    assert p < P and r < R
+    trimmed = dict(tokens=full["tokens"][:, P - p:P + r], attn_mask=full["attn_mask"][:, P - p:P + r],
+                   response_mask=full["response_mask"][:, :r])
+    want, _ = loss_fn(actor_params(), full)
+    got, _ = loss_fn(actor_params(), trimmed)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)

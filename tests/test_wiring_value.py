@@ -474,3 +474,43 @@ def test_sft_loop_picks_each_records_target_by_phase(tmp_path, monkeypatch):
     main_counts = [p for pairs in seen[:num_steps - late_steps] for p, _ in pairs]
     assert len(main_counts) - len(set(main_counts)) >= 8
     assert examples[5]["prompt"] in {p for pairs in seen[num_steps - late_steps:] for p, _ in pairs}
+
+
+def test_sft_loop_trains_on_batches_trimmed_to_pad_to_multiple(monkeypatch, tmp_path):
+    """`pad_to_multiple = 4`: each step's batch reaching the (jitted) update has the encoded batch's longest prompt and
+    response, each rounded up to a multiple of 4 (`trim_sft_padding`'s own test pins which columns it keeps)."""
+    examples = [dict(prompt=f"{i}+0=?", answer=str(i), cot=f"{i}+0={i}\nAnswer: {i}") for i in range(12)]
+    encoded, trained = [], []
+    real_encode = sft_lib.encode_sft
+
+    def recording_encode(*args, **kwargs):
+        encoded.append(real_encode(*args, **kwargs))
+        return encoded[-1]
+
+    def recording_update(state, batch, *args, **kwargs):
+        trained.append({k: v.shape for k, v in batch.items()})  # traced (once per shape): shapes only
+        return state, {"train/nonfinite": jnp.zeros(())}
+
+    monkeypatch.setattr(sft_lib.builders, "task_source", lambda config, split: RecordSource(examples, transform=dict))
+    monkeypatch.setattr(sft_lib, "encode_sft", recording_encode)
+    monkeypatch.setattr(sft_lib, "train_epochs", recording_update)
+    monkeypatch.setattr(sft_lib, "evaluate", lambda *a, **k: {})
+    monkeypatch.setattr(sft_lib.rt_lib, "checkpointer", lambda config: _NoCheckpoints())
+    c = sft_config(3, 0)
+    c.update(dict(workdir=str(tmp_path / "sft"), batch_size=8, pad_to_multiple=4, eval_every=100, save_every=100,
+                  eval_prompts=8, progress_bar=False, tensorboard=False))
+    c.model = ml_collections.ConfigDict(dict(c.model.to_dict(), hidden_size=16, intermediate_size=32, num_layers=1,
+                                             num_heads=2, num_kv_heads=1, max_position_embeddings=64))
+    c.task.update(max_prompt_len=16, max_response_len=32)
+    sft_lib.run_sft(c)
+
+    want = []
+    for full in encoded:
+        p, r = full["prompt_mask"].sum(1).max(), full["response_mask"].sum(1).max()
+        p_keep, r_keep = -(-p // 4) * 4, -(-r // 4) * 4
+        assert p_keep < 16 and r_keep < 32  # trimmed
+        want.append({"tokens": (8, p_keep + r_keep), "attn_mask": (8, p_keep + r_keep), "response_mask": (8, r_keep)})
+    assert len(encoded) == 3
+    # The update is traced once per distinct batch shape: exactly the trimmed shapes of the encoded batches.
+    as_key = lambda shapes: tuple(sorted((k, tuple(map(int, v))) for k, v in shapes.items()))  # noqa: E731
+    assert sorted(map(as_key, trained)) == sorted(set(map(as_key, want)))

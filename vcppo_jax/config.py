@@ -217,6 +217,10 @@ def base_sft_config() -> ml_collections.ConfigDict:
     # learn?").
     c.late_steps = 50
     c.late_direct_fraction = 0.7
+    # 0: every batch padded to max_prompt_len + max_response_len. k > 0: each batch trimmed to its longest prompt and
+    # target, rounded up to a multiple of k (same loss; the default task's batches are 58% padding, and k = 1 made
+    # the SFT step 0.43 s instead of 0.71 s here). Off by default: the committed studies were run without it.
+    c.pad_to_multiple = 0
     c.optim = optim_config(3e-3)
     c.optim.warmup_steps = 20
     c.optim.decay_steps = 630
@@ -456,6 +460,7 @@ def _validate_sft(c) -> None:
     _check_int(c, "batch_size", 1)
     _check_int(c, "num_steps", 0)
     _check_range(c, "direct_fraction", 0.0, 1.0)
+    _check_int(c, "pad_to_multiple", 0)
     _check_int(c, "late_steps", 0)  # >= num_steps: the whole run uses late_direct_fraction
     _check_range(c, "late_direct_fraction", 0.0, 1.0)
     _validate_optim(c, "optim")

@@ -91,7 +91,7 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
     if config.stage == "sft":
         tx = make_optimizer(config.optim)
         state = _abstract_state(actor, tx, rt)
-        loss_fn = sft_loss_fn(actor, prompt_len=P, chunk=R)
+        loss_fn = sft_loss_fn(actor, chunk=R)
         step = jax.jit(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
                                                  num_minibatches=1), donate_argnums=0)
         b = config.batch_size

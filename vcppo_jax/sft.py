@@ -14,7 +14,7 @@ from vcppo_jax import losses
 from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stage_meta
-from vcppo_jax.data.batching import batch_indices, encode_sft
+from vcppo_jax.data.batching import batch_indices, encode_sft, trim_sft_padding
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer, train_epochs
@@ -35,8 +35,12 @@ def direct_fraction(config: ml_collections.ConfigDict, step: int) -> float:
     return config.late_direct_fraction if late else config.direct_fraction
 
 
-def sft_loss_fn(model: nn.Module, *, prompt_len: int, chunk: int):
+def sft_loss_fn(model: nn.Module, *, chunk: int):
+    """NLL of the response tokens; batch: tokens / attn_mask [B, P+R], response_mask [B, R]. P is read from the
+    shapes (static under jit), so a batch trimmed of padding (`trim_sft_padding`) needs no other function."""
+
     def loss_fn(params, batch):
+        prompt_len = batch["tokens"].shape[1] - batch["response_mask"].shape[1]
         logp, _ = policy_logprobs(model, params, batch["tokens"], batch["attn_mask"], prompt_len=prompt_len,
                                   chunk=chunk)
         mask = batch["response_mask"]
@@ -77,7 +81,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
                                                          lambda: rt_lib.model_state_to_dict(init()))
     state = rt_lib.model_state_from_dict(state)
 
-    loss_fn = sft_loss_fn(model, prompt_len=P, chunk=config.task.max_response_len)
+    loss_fn = sft_loss_fn(model, chunk=config.task.max_response_len)
     with rt.context():
         step_fn = jax.jit(
             lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
@@ -108,6 +112,8 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
                     direct = use_direct_style(idx, config.seed, direct_fraction(config, step))
                     targets = [r["direct"] if d and "direct" in r else r["cot"] for r, d in zip(records, direct)]
                     enc = encode_sft(tok, [r["prompt"] for r in records], targets, P, R, truncate=True)
+                    if config.pad_to_multiple:  # before the row split: every process keeps the same columns
+                        enc = trim_sft_padding(enc, config.pad_to_multiple)
                     num_tokens = int(enc["attention_mask"].sum())
                     enc = {k: v[rows] for k, v in enc.items()}
                     batch = rt.place_batch({"tokens": enc["tokens"], "attn_mask": enc["attention_mask"] > 0,

@@ -123,3 +123,19 @@ def encode_sft(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], targe
         'response_mask': response_mask,
         'loss_mask': np.concatenate([np.zeros_like(prompt_mask), response_mask], axis=1),
     }
+
+
+def trim_sft_padding(batch: dict[str, np.ndarray], multiple: int) -> dict[str, np.ndarray]:
+    """An `encode_sft` batch without the columns that are padding in every row: the prompt's left padding and the
+    target's right padding, each kept to a multiple of `multiple` tokens (so few shapes compile) and never longer
+    than before. The loss is unchanged: those columns carry no loss and no token attends to them.
+    """
+    _check_positive('multiple', multiple)
+    p, r = batch['prompt_mask'].shape[1], batch['response_mask'].shape[1]
+    keep = lambda n, cap: min(cap, -(-max(int(n), 1) // multiple) * multiple)  # noqa: E731
+    p_keep = keep(batch['prompt_mask'].sum(axis=1).max(), p)
+    r_keep = keep(batch['response_mask'].sum(axis=1).max(), r)
+    cols = slice(p - p_keep, p + r_keep)
+    return {'tokens': batch['tokens'][:, cols], 'attention_mask': batch['attention_mask'][:, cols],
+            'prompt_mask': batch['prompt_mask'][:, p - p_keep:], 'response_mask': batch['response_mask'][:, :r_keep],
+            'loss_mask': batch['loss_mask'][:, cols]}
