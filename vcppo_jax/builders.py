@@ -56,7 +56,7 @@ def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelCon
 
 
 # The `config.model` fields that say how a model computes, not what it is: a run sets them for itself, and they are
-# not part of a stage's fingerprint (`stages.settings`).
+# not part of a stage's fingerprint (`stage_meta.settings`).
 COMPUTE_OPTIONS = ("dtype", "remat", "attention_impl", "attention_block_size")
 
 
