@@ -98,9 +98,10 @@ class Profile:
     report: str = "study"
 
 
-# The cold start the mechanism studies were measured on: the SFT's earlier default of 450 steps (400 main + 50 late),
-# kept so their committed results stay reproducible. The default is now 650 (README, "Where this recipe failed").
-SFT_450 = {"num_steps": 450, "optim.decay_steps": 430}
+# The cold start the mechanism studies were measured on: the SFT's earlier default of 450 steps (400 main + 50 late)
+# on untrimmed batches, kept so their committed results stay reproducible. The default is now 650 steps (README, "Where
+# this recipe failed") on batches trimmed to their longest row (`pad_to_multiple`, which changes the float rounding).
+SFT_450 = {"num_steps": 450, "optim.decay_steps": 430, "pad_to_multiple": 0}
 
 PROFILES = {
     # Does RL learn? The config files' recipe exactly (the main job's), VC-PPO and GRPO beside their shuffled-reward

@@ -219,8 +219,8 @@ def base_sft_config() -> ml_collections.ConfigDict:
     c.late_direct_fraction = 0.7
     # 0: every batch padded to max_prompt_len + max_response_len. k > 0: each batch trimmed to its longest prompt and
     # target, rounded up to a multiple of k (same loss; the default task's batches are 58% padding, and k = 1 made
-    # the SFT step 0.43 s instead of 0.71 s here). Off by default: the committed studies were run without it.
-    c.pad_to_multiple = 0
+    # the SFT step 0.43 s instead of 0.71 s here). The mechanism studies pin 0, the setting they were run with.
+    c.pad_to_multiple = 1
     c.optim = optim_config(3e-3)
     c.optim.warmup_steps = 20
     c.optim.decay_steps = 630
