@@ -101,8 +101,8 @@ def main() -> None:
     tokens = jnp.asarray(rng.integers(2, cfg.vocab_size, (b, pl + r)), jnp.int32)
     response_mask = jnp.ones((b, r), jnp.float32)
     seq_rewards = jnp.asarray(rng.choice([-1.0, 1.0], b), jnp.float32)
-    rollout = dict(tokens=tokens, attn_mask=jnp.ones((b, pl + r), bool), response_mask=response_mask,
-                   rewards=response_mask.at[:, :-1].set(0.0) * seq_rewards[:, None], seq_rewards=seq_rewards)
+    rollout = rl.Rollout(tokens=tokens, attn_mask=jnp.ones((b, pl + r), bool), response_mask=response_mask,
+                         rewards=response_mask.at[:, :-1].set(0.0) * seq_rewards[:, None], seq_rewards=seq_rewards)
     params = init_params(actor, jax.random.key(0))["params"]
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-6))
     header = (f"| {'algorithm':<8} | {'compile s':>9} | {'update s':>8} | {'tokens/s':>9} | {'model TFLOP':>11} | "

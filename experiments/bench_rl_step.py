@@ -112,6 +112,7 @@ def run_ours(o: dict) -> dict:
     from vcppo_jax import rl  # noqa: PLC0415
     from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, load_hf_checkpoint  # noqa: PLC0415
     from vcppo_jax.optim import init_model_state  # noqa: PLC0415
+    from vcppo_jax.rollout import to_rollout  # noqa: PLC0415
     from vcppo_jax.sampling import make_sampler  # noqa: PLC0415
 
     algo, b, p, r = o["algo"], o["prompts"] * o["group"], o["prompt_len"], o["response_len"]
@@ -145,13 +146,8 @@ def run_ours(o: dict) -> dict:
         nonlocal state
         t0 = time.perf_counter()
         out = sampler(state.actor.params, prompts, prompt_mask, jax.random.key(i))
-        tokens = np.asarray(out.tokens)
-        resp_mask = np.asarray(out.response_mask)
-        seq_rewards = (tokens[:, p:].sum(axis=1) % 2).astype(np.float32)
-        rewards = np.zeros((b, r), np.float32)
-        rewards[np.arange(b), resp_mask.sum(axis=1).astype(int) - 1] = seq_rewards
-        rollout = dict(tokens=tokens, attn_mask=np.concatenate([prompt_mask, resp_mask > 0], axis=1),
-                       response_mask=resp_mask, rewards=rewards, seq_rewards=seq_rewards)
+        seq_rewards = (np.asarray(out.tokens)[:, p:].sum(axis=1) % 2).astype(np.float32)
+        rollout = to_rollout(out, prompt_mask, seq_rewards)
         t1 = time.perf_counter()
         experience, _ = experience_fn(state, rollout)
         state, m = update_fn(state, experience)

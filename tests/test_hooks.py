@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from vcppo_jax import hooks
+from vcppo_jax.rl import Rollout
 from vcppo_jax.rollout import place_rewards, sample_filtered, with_seq_rewards
 
 
@@ -27,12 +28,13 @@ def test_shape_rewards_adds_the_penalty_to_the_verifier_reward():
 
 def test_with_seq_rewards_places_each_reward_at_its_rows_last_token():
     mask = np.array([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]], np.float32)
-    rollout = {"response_mask": mask, "seq_rewards": np.zeros(3, np.float32), "rewards": np.zeros((3, 4))}
+    rollout = Rollout(tokens=np.ones((3, 6), np.int32), attn_mask=np.ones((3, 6), bool), response_mask=mask,
+                      rewards=np.zeros((3, 4), np.float32), seq_rewards=np.zeros(3, np.float32))
     out = with_seq_rewards(rollout, [0.5, -1.0, 2.0])
     want = np.zeros((3, 4), np.float32)
     want[0, 2], want[1, 0], want[2, 3] = 0.5, -1.0, 2.0
-    np.testing.assert_array_equal(out["rewards"], want)
-    np.testing.assert_array_equal(out["rewards"], place_rewards(out["seq_rewards"], mask))
+    np.testing.assert_array_equal(out.rewards, want)
+    np.testing.assert_array_equal(out.rewards, place_rewards(out.seq_rewards, mask))
 
 
 def test_keep_groups_mixed_keeps_groups_neither_all_right_nor_all_wrong():
@@ -46,16 +48,17 @@ MIXED, SAME = [1.0, -1.0], [-1.0, -1.0]
 ROUNDS = [[MIXED, SAME, SAME, MIXED], [SAME, MIXED, SAME, SAME], [MIXED, MIXED, SAME, SAME]]
 
 
-def fake_round(k: int) -> dict[str, np.ndarray]:
+def fake_round(k: int) -> Rollout:
     """Round k's rollout of 4 groups of 2: `tokens` [8, 3] names each row (round, row, 0), rewards from ROUNDS."""
     seq = np.asarray(ROUNDS[k], np.float32).reshape(-1)
     tokens = np.stack([np.full(8, k), np.arange(8), np.zeros(8)], axis=1).astype(np.int32)
     mask = np.ones((8, 2), np.float32)
-    return {"tokens": tokens, "response_mask": mask, "seq_rewards": seq, "rewards": place_rewards(seq, mask)}
+    return Rollout(tokens=tokens, attn_mask=np.ones((8, 3), bool), response_mask=mask, rewards=place_rewards(seq, mask),
+                   seq_rewards=seq)
 
 
 def rows_of(rollout) -> list[tuple[int, int]]:
-    return [(int(r), int(i)) for r, i, _ in rollout["tokens"]]
+    return [(int(r), int(i)) for r, i, _ in rollout.tokens]
 
 
 def test_sample_filtered_collects_kept_groups_in_sampling_order():
@@ -64,8 +67,8 @@ def test_sample_filtered_collects_kept_groups_in_sampling_order():
     assert calls == [0, 1, 2]  # 2 kept in round 0, 3 after round 1, 5 >= 4 after round 2
     assert rows_of(first) == rows_of(fake_round(0))
     assert rows_of(train) == [(0, 0), (0, 1), (0, 6), (0, 7), (1, 2), (1, 3), (2, 0), (2, 1)]
-    np.testing.assert_array_equal(train["seq_rewards"], MIXED * 4)
-    np.testing.assert_array_equal(train["rewards"], place_rewards(train["seq_rewards"], train["response_mask"]))
+    np.testing.assert_array_equal(train.seq_rewards, MIXED * 4)
+    np.testing.assert_array_equal(train.rewards, place_rewards(train.seq_rewards, train.response_mask))
     assert m == {"rollout/groups_kept_first_round": 0.5, "rollout/sampling_rounds": 3.0, "rollout/groups_filled": 0.0}
 
 

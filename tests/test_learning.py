@@ -78,7 +78,7 @@ def sampled_accuracy(sampler, params, seed: int) -> float:
     """Mean reward-correct rate over 4 samples of each of the 100 prompts."""
     batch = rollout_lib.prompt_batch(SOURCE, range(len(RECORDS)), TOK, max_prompt_len=P, group_size=4)
     rollout, _ = rollout_lib.generate_and_score(sampler, params, batch, jax.random.key(seed), TOK, VERIFIER)
-    return float((rollout["seq_rewards"] > 0).mean())
+    return float((rollout.seq_rewards > 0).mean())
 
 
 def run_grpo(shuffle: bool):

@@ -220,8 +220,8 @@ def random_rollout(rs: np.random.RandomState, batch: int, prompt_len: int, resp_
     seq_rewards = np.where(rs.rand(batch) > 0.5, 1.0, -1.0).astype(np.float32)
     rewards = np.zeros((batch, resp_len), np.float32)
     rewards[np.arange(batch), r_len - 1] = seq_rewards
-    return dict(tokens=(rs.randint(1, vocab, size=attn.shape) * attn).astype(np.int32), attn_mask=attn,
-                response_mask=resp_mask.astype(np.float32), rewards=rewards, seq_rewards=seq_rewards)
+    return rl.Rollout(tokens=(rs.randint(1, vocab, size=attn.shape) * attn).astype(np.int32), attn_mask=attn,
+                      response_mask=resp_mask.astype(np.float32), rewards=rewards, seq_rewards=seq_rewards)
 
 
 def test_sharded_rl_step_matches_single_device(runs):
@@ -264,7 +264,7 @@ def test_sharded_rl_step_matches_single_device(runs):
     # The mesh really splits the state: some actor param is sharded over both 'fsdp' and 'tensor'.
     specs = {tuple(x.sharding.spec) for x in jax.tree.leaves(state_8.actor.params)}
     assert any("fsdp" in s and "tensor" in s for s in specs), specs
-    assert exp_8["advantages"].sharding.spec[0] == ("data", "fsdp")
+    assert exp_8.advantages.sharding.spec[0] == ("data", "fsdp")
 
     tol = dict(atol=1e-5, rtol=1e-4)
     assert_trees_close(jax.device_get(exp_8), jax.device_get(exp_1), **tol)
@@ -539,9 +539,9 @@ def test_value_targets_monte_carlo_returns(gamma):
     lengths = np.array([0, 1, 3, 6, 6])
     mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
     rewards = rs.randn(5, 6).astype(np.float32)  # dense, and garbage after EOS (must be ignored)
-    rollout = dict(rewards=jnp.asarray(rewards), response_mask=jnp.asarray(mask),
-                   seq_rewards=jnp.asarray(rs.randn(5).astype(np.float32)))
-    targets, weights = value_train.value_targets(rollout, gamma=gamma, eos_only=False)
+    seq_rewards = jnp.asarray(rs.randn(5).astype(np.float32))
+    targets, weights = value_train.value_targets(jnp.asarray(rewards), seq_rewards, jnp.asarray(mask), gamma=gamma,
+                                                 eos_only=False)
     np.testing.assert_allclose(np.asarray(targets), mc_returns_reference(rewards, mask, gamma), atol=1e-5)
     np.testing.assert_array_equal(np.asarray(weights), mask)
 
@@ -550,8 +550,8 @@ def test_value_targets_eos_only():
     lengths = np.array([0, 1, 4, 6])
     mask = (np.arange(6)[None] < lengths[:, None]).astype(np.float32)
     seq = np.array([0.5, -1.0, 1.0, 2.0], np.float32)
-    rollout = dict(rewards=jnp.zeros((4, 6)), response_mask=jnp.asarray(mask), seq_rewards=jnp.asarray(seq))
-    targets, weights = value_train.value_targets(rollout, gamma=1.0, eos_only=True)
+    targets, weights = value_train.value_targets(jnp.zeros((4, 6)), jnp.asarray(seq), jnp.asarray(mask), gamma=1.0,
+                                                 eos_only=True)
     want_w = np.zeros((4, 6), np.float32)
     for b, n in enumerate(lengths):
         if n:

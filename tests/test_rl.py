@@ -42,9 +42,9 @@ def make_rollout(seed=0):
     rewards = np.zeros((B, R), np.float32)
     rewards[np.arange(B), resp_len - 1] = seq_rewards
     attn_mask = np.concatenate([prompt_mask, resp_mask], 1)
-    return dict(tokens=jnp.asarray(tokens, jnp.int32), attn_mask=jnp.asarray(attn_mask),
-                response_mask=jnp.asarray(resp_mask, jnp.float32), rewards=jnp.asarray(rewards),
-                seq_rewards=jnp.asarray(seq_rewards))
+    return rl.Rollout(tokens=jnp.asarray(tokens, jnp.int32), attn_mask=jnp.asarray(attn_mask),
+                      response_mask=jnp.asarray(resp_mask, jnp.float32), rewards=jnp.asarray(rewards),
+                      seq_rewards=jnp.asarray(seq_rewards))
 
 
 def hparams(algorithm="vcppo", **overrides) -> rl.RLHparams:
@@ -90,13 +90,13 @@ def test_logprobs_and_values_align_with_full_forward(nets):
     """Response token t is scored from full position P-1+t, by both the actor and the critic."""
     actor_p, critic_p = nets
     ro = make_rollout()
-    tokens, mask = ro["tokens"], ro["attn_mask"]
+    tokens, mask = ro.tokens, ro.attn_mask
     hidden, _ = ACTOR.apply({"params": actor_p}, tokens, position_ids(mask), mask)
     logits = ACTOR.apply({"params": actor_p}, hidden, method=CausalLM.logits)
     logp_full = jax.nn.log_softmax(logits, -1)
     want = np.take_along_axis(np.asarray(logp_full[:, P - 1:-1]), np.asarray(tokens[:, P:])[..., None], -1)[..., 0]
     got, _ = logprobs_fn(ACTOR, actor_p, tokens, mask, prompt_len=P, chunk=4)
-    valid = np.asarray(ro["response_mask"]) > 0
+    valid = np.asarray(ro.response_mask) > 0
     np.testing.assert_allclose(np.asarray(got)[valid], want[valid], atol=1e-5)
 
     values_full = CRITIC.apply({"params": critic_p}, tokens, position_ids(mask), mask)
@@ -111,11 +111,11 @@ def test_experience_decoupled_gae(nets):
     state, _ = make_state(nets, hp)
     ro = make_rollout()
     exp, m = compiled(hp)[0](state, ro)
-    mask = np.asarray(ro["response_mask"])
-    want_returns = np.asarray(ro["seq_rewards"])[:, None] * mask
-    np.testing.assert_allclose(np.asarray(exp["returns"]), want_returns, atol=1e-5)
-    want_adv, _ = gae_lib.gae(ro["rewards"], exp["old_values"], ro["response_mask"], gamma=1.0, lam=0.9)
-    np.testing.assert_allclose(np.asarray(exp["advantages"]), np.asarray(want_adv), atol=1e-5)
+    mask = np.asarray(ro.response_mask)
+    want_returns = np.asarray(ro.seq_rewards)[:, None] * mask
+    np.testing.assert_allclose(np.asarray(exp.returns), want_returns, atol=1e-5)
+    want_adv, _ = gae_lib.gae(ro.rewards, exp.old_values, ro.response_mask, gamma=1.0, lam=0.9)
+    np.testing.assert_allclose(np.asarray(exp.advantages), np.asarray(want_adv), atol=1e-5)
     assert "diag/value_pos00" in m and "diag/adv_early_bias" in m
 
 
@@ -125,17 +125,17 @@ def test_update_improves_objectives_and_traces_once(nets):
     ro = make_rollout()
     make_exp, update = compiled(hp)
     exp, _ = make_exp(state, ro)
-    mask = exp["mask"]
-    v0 = losses.value_loss(exp["old_values"], exp["old_values"], exp["returns"], mask)[0]
-    surrogate0 = float((exp["advantages"] * mask).sum())  # ratio == 1 before the update
+    mask = exp.response_mask
+    v0 = losses.value_loss(exp.old_values, exp.old_values, exp.returns, mask)[0]
+    surrogate0 = float((exp.advantages * mask).sum())  # ratio == 1 before the update
     new_state, m = update(state, exp)
     assert int(new_state.step) == 1 and int(new_state.actor.step) == 2 * hp.num_minibatches
     assert float(m["train/nonfinite"]) == 0
-    logp, _ = logprobs_fn(ACTOR, new_state.actor.params, exp["tokens"], exp["attn_mask"], prompt_len=P, chunk=4)
-    surrogate1 = float((jnp.exp(logp - exp["old_logp"]) * exp["advantages"] * mask).sum())
+    logp, _ = logprobs_fn(ACTOR, new_state.actor.params, exp.tokens, exp.attn_mask, prompt_len=P, chunk=4)
+    surrogate1 = float((jnp.exp(logp - exp.old_logp) * exp.advantages * mask).sum())
     assert surrogate1 > surrogate0
-    v1 = values_fn(CRITIC, new_state.critic.params, exp["tokens"], exp["attn_mask"], prompt_len=P)
-    assert float(losses.value_loss(v1, exp["old_values"], exp["returns"], mask)[0]) < float(v0)
+    v1 = values_fn(CRITIC, new_state.critic.params, exp.tokens, exp.attn_mask, prompt_len=P)
+    assert float(losses.value_loss(v1, exp.old_values, exp.returns, mask)[0]) < float(v0)
     update(new_state, exp)  # same shapes: no retrace (assert_max_traces would raise)
 
 
@@ -148,10 +148,10 @@ def test_update_reports_the_whole_iterations_movement(nets):
     make_exp, update = compiled(hp)
     exp, _ = make_exp(state, ro)
     new_state, m = update(state, exp)
-    logp, _ = logprobs_fn(ACTOR, new_state.actor.params, exp["tokens"], exp["attn_mask"], prompt_len=P, chunk=4,
+    logp, _ = logprobs_fn(ACTOR, new_state.actor.params, exp.tokens, exp.attn_mask, prompt_len=P, chunk=4,
                           temperature=hp.temperature)
-    valid = np.asarray(exp["mask"]) > 0
-    log_ratio = (np.asarray(logp) - np.asarray(exp["old_logp"]))[valid]
+    valid = np.asarray(exp.response_mask) > 0
+    log_ratio = (np.asarray(logp) - np.asarray(exp.old_logp))[valid]
     ratio = np.exp(log_ratio)
     np.testing.assert_allclose(float(m["policy/approx_kl"]), np.mean(ratio - 1 - log_ratio), rtol=1e-4, atol=1e-7)
     outside = (ratio < 1 - hp.clip_low) | (ratio > 1 + hp.clip_high)
@@ -166,9 +166,9 @@ def test_grpo_group_advantages(nets):
     ro = make_rollout()
     make_exp, update = compiled(hp)
     exp, _ = make_exp(state, ro)
-    seq = np.asarray(ro["seq_rewards"]).reshape(-1, 2)
+    seq = np.asarray(ro.seq_rewards).reshape(-1, 2)
     want = (seq - seq.mean(1, keepdims=True)) / (seq.std(1, ddof=1, keepdims=True) + 1e-6)
-    np.testing.assert_allclose(np.asarray(exp["advantages"]), want.reshape(-1, 1) * np.asarray(ro["response_mask"]),
+    np.testing.assert_allclose(np.asarray(exp.advantages), want.reshape(-1, 1) * np.asarray(ro.response_mask),
                                atol=1e-4)
     new_state, m = update(state, exp)
     assert new_state.critic is None and np.isfinite(float(m["policy/loss"]))
@@ -180,9 +180,8 @@ def test_nonfinite_update_is_skipped(nets):
     ro = make_rollout()
     make_exp, update = compiled(hp)
     exp, _ = make_exp(state, ro)
-    exp = dict(exp, advantages=exp["advantages"].at[0, 0].set(jnp.nan),
-               returns=exp["returns"].at[0, 0].set(jnp.inf))
-    exp["mask"] = exp["mask"].at[0, 0].set(1.0)
+    exp = exp.replace(advantages=exp.advantages.at[0, 0].set(jnp.nan), returns=exp.returns.at[0, 0].set(jnp.inf),
+                      response_mask=exp.response_mask.at[0, 0].set(1.0))
     new_state, m = update(state, exp)
     # In each epoch the minibatch holding row 0 is skipped for both nets; the other minibatches still update.
     assert float(m["train/nonfinite"]) == 2 * hp.num_epochs  # one skipped step per epoch for each network

@@ -84,16 +84,16 @@ def np_log_softmax(x):
 def ref_response_logp(params, batch, temperature):
     """(logp [B, R], entropy [B, R]) of the response tokens at `temperature`, numpy float64 from full logits:
     full position P-1+t predicts response token t."""
-    logits = np.asarray(_full_logits(params, batch["tokens"], batch["attn_mask"]), np.float64)
+    logits = np.asarray(_full_logits(params, batch.tokens, batch.attn_mask), np.float64)
     logq = np_log_softmax(logits[:, P - 1:-1] / temperature)
-    targets = np.asarray(batch["tokens"])[:, P:]
+    targets = np.asarray(batch.tokens)[:, P:]
     logp = np.take_along_axis(logq, targets[..., None], -1)[..., 0]
     entropy = -(np.exp(logq) * logq).sum(-1)
     return logp, entropy
 
 
 def ref_values(params, batch):
-    return np.asarray(_full_values(params, batch["tokens"], batch["attn_mask"]), np.float64)[:, P - 1:-1]
+    return np.asarray(_full_values(params, batch.tokens, batch.attn_mask), np.float64)[:, P - 1:-1]
 
 
 def np_aggregate(x, mask, mode):
@@ -185,10 +185,18 @@ def make_state(hp, with_ref):
 
 def as_batch(ro):
     """A rollout as the jitted experience functions get it (fixed keys and dtypes: one compile per hparams)."""
-    return dict(tokens=jnp.asarray(ro["tokens"], jnp.int32), attn_mask=jnp.asarray(ro["attn_mask"], bool),
-                response_mask=jnp.asarray(ro["response_mask"], jnp.float32),
-                rewards=jnp.asarray(ro["rewards"], jnp.float32),
-                seq_rewards=jnp.asarray(ro["seq_rewards"], jnp.float32))
+    return rl.Rollout(tokens=jnp.asarray(ro.tokens, jnp.int32), attn_mask=jnp.asarray(ro.attn_mask, bool),
+                      response_mask=jnp.asarray(ro.response_mask, jnp.float32),
+                      rewards=jnp.asarray(ro.rewards, jnp.float32), seq_rewards=jnp.asarray(ro.seq_rewards, jnp.float32))
+
+
+def experience(ro, **fields):
+    """An `rl.Experience` on `ro`'s tokens and masks: the given fields, zeros for the ones a loss does not read."""
+    zeros = jnp.zeros_like(ro.response_mask)
+    base = dict(old_logp=zeros, ref_logp=zeros, old_values=zeros, advantages=zeros, returns=zeros,
+                positive=jnp.zeros_like(ro.seq_rewards))
+    return rl.Experience(tokens=ro.tokens, attn_mask=ro.attn_mask, response_mask=ro.response_mask,
+                         **{**base, **fields})
 
 
 def hand_rollout(seed=0, seq_rewards=None, dense_rewards=False):
@@ -206,8 +214,8 @@ def hand_rollout(seed=0, seq_rewards=None, dense_rewards=False):
     if dense_rewards:
         rewards = (rs.normal(scale=0.3, size=(B, R)) * resp_mask).astype(np.float32)
     rewards[np.arange(B), RESP_LENS - 1] = seq_rewards
-    return as_batch(dict(tokens=tokens, attn_mask=np.concatenate([prompt_mask, resp_mask], 1),
-                         response_mask=resp_mask, rewards=rewards, seq_rewards=seq_rewards))
+    return as_batch(rl.Rollout(tokens=tokens, attn_mask=np.concatenate([prompt_mask, resp_mask], 1),
+                               response_mask=resp_mask, rewards=rewards, seq_rewards=seq_rewards))
 
 
 # The hyper-parameter sets (each compiles its own experience function once).
@@ -240,7 +248,7 @@ def test_trainer_logprobs_match_sampler_at_config_temperature():
     assert lengths.min() < R, lengths  # precondition: some row ended early
 
     ro = rollout_lib.to_rollout(out, prompt_mask, np.linspace(-1, 1, B).astype(np.float32))
-    np.testing.assert_array_equal(ro["sample_logp"], np.asarray(out.logprobs))
+    np.testing.assert_array_equal(ro.sample_logp, np.asarray(out.logprobs))
     valid = np.asarray(out.response_mask) > 0
     np.testing.assert_array_equal(valid.sum(1), lengths)
     sampled = np.asarray(out.logprobs)[valid]
@@ -254,10 +262,10 @@ def test_trainer_logprobs_match_sampler_at_config_temperature():
     assert np.abs(at_one[valid] - sampled).max() > 1e-2
 
     exp, _ = experience_fn(hp)(make_state(hp, with_ref=False), batch)
-    np.testing.assert_allclose(np.asarray(exp["old_logp"])[valid], sampled, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(exp.old_logp)[valid], sampled, atol=1e-4)
     logp_fn = jit(functools.partial(rl.policy_logprobs, ACTOR, prompt_len=P, chunk=CHUNK,
                                     temperature=hp.temperature))
-    logp, _ = logp_fn(params, batch["tokens"], batch["attn_mask"])
+    logp, _ = logp_fn(params, batch.tokens, batch.attn_mask)
     np.testing.assert_allclose(np.asarray(logp)[valid], sampled, atol=1e-4)
 
 
@@ -272,21 +280,21 @@ def test_experience_decoupled_gae_against_numpy_loop():
     hp = hparams(**HP_GAE)
     ro = hand_rollout(seed=1, dense_rewards=True)
     exp, m = experience_fn(hp)(make_state(hp, with_ref=False), ro)
-    mask = np.asarray(ro["response_mask"])
+    mask = np.asarray(ro.response_mask)
     values = ref_values(critic_params(), ro) * mask
-    np.testing.assert_allclose(np.asarray(exp["old_values"]), values, atol=1e-5)
-    rewards = np.asarray(ro["rewards"])
-    np.testing.assert_allclose(np.asarray(exp["advantages"]), np_gae(rewards, values, mask, 0.9, 0.9), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.old_values), values, atol=1e-5)
+    rewards = np.asarray(ro.rewards)
+    np.testing.assert_allclose(np.asarray(exp.advantages), np_gae(rewards, values, mask, 0.9, 0.9), atol=1e-5)
     want_returns = (np_gae(rewards, values, mask, 0.9, 0.95) + values) * mask
-    np.testing.assert_allclose(np.asarray(exp["returns"]), want_returns, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.returns), want_returns, atol=1e-5)
     # The two lambdas really differ on this batch (a swapped or shared lambda would fail above).
     assert np.abs(np_gae(rewards, values, mask, 0.9, 0.9) - np_gae(rewards, values, mask, 0.9, 0.95)).max() > 1e-3
     # No KL term (kl_coef 0, no ref params): ref_logp is the old policy's, old_logp the actor's at TEMP.
     logp, _ = ref_response_logp(actor_params(), ro, TEMP)
     valid = mask > 0
-    np.testing.assert_allclose(np.asarray(exp["old_logp"])[valid], logp[valid], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(exp["ref_logp"])[valid], logp[valid], atol=1e-5)
-    np.testing.assert_array_equal(np.asarray(exp["positive"]), (np.asarray(ro["seq_rewards"]) > 0).astype(np.float32))
+    np.testing.assert_allclose(np.asarray(exp.old_logp)[valid], logp[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.ref_logp)[valid], logp[valid], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(exp.positive), (np.asarray(ro.seq_rewards) > 0).astype(np.float32))
     np.testing.assert_allclose(float(m["adv/mean"]), np_gae(rewards, values, mask, 0.9, 0.9)[valid].mean(),
                                rtol=1e-4, atol=1e-6)
 
@@ -299,8 +307,8 @@ def test_experience_in_minibatches_equals_one_pass():
     ro = hand_rollout(seed=5)
     exp1, m1 = experience_fn(one)(state, ro)
     exp4, m4 = experience_fn(four)(state, ro)
-    for k in exp1:
-        np.testing.assert_allclose(np.asarray(exp4[k]), np.asarray(exp1[k]), atol=1e-6, err_msg=k)
+    for k in vars(exp1):
+        np.testing.assert_allclose(np.asarray(getattr(exp4, k)), np.asarray(getattr(exp1, k)), atol=1e-6, err_msg=k)
     np.testing.assert_allclose(float(m4["rollout/entropy"]), float(m1["rollout/entropy"]), rtol=1e-6)
 
 
@@ -311,25 +319,25 @@ def test_experience_kl_in_reward_and_whitening():
     hp = hparams(**HP_KL_REWARD)
     ro = hand_rollout(seed=2, dense_rewards=True)
     exp, m = experience_fn(hp)(make_state(hp, with_ref=True), ro)
-    mask = np.asarray(ro["response_mask"])
+    mask = np.asarray(ro.response_mask)
     valid = mask > 0
     logp, _ = ref_response_logp(actor_params(), ro, TEMP)
     ref, _ = ref_response_logp(ref_params(), ro, TEMP)
-    np.testing.assert_allclose(np.asarray(exp["old_logp"])[valid], logp[valid], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(exp["ref_logp"])[valid], ref[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.old_logp)[valid], logp[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.ref_logp)[valid], ref[valid], atol=1e-5)
     kl = np.where(valid, logp - ref, 0.0)
     np.testing.assert_allclose(float(m["rollout/kl_to_ref"]), kl.sum() / mask.sum(), rtol=1e-4, atol=1e-6)
 
-    shaped = (np.asarray(ro["rewards"]) - 0.5 * kl) * mask
+    shaped = (np.asarray(ro.rewards) - 0.5 * kl) * mask
     want_returns = np.cumsum(shaped[:, ::-1], axis=1)[:, ::-1] * mask
-    assert np.abs(want_returns - np.cumsum(np.asarray(ro["rewards"])[:, ::-1], 1)[:, ::-1] * mask).max() > 0.05
-    np.testing.assert_allclose(np.asarray(exp["returns"]), want_returns, atol=1e-4)
+    assert np.abs(want_returns - np.cumsum(np.asarray(ro.rewards)[:, ::-1], 1)[:, ::-1] * mask).max() > 0.05
+    np.testing.assert_allclose(np.asarray(exp.returns), want_returns, atol=1e-4)
     values = ref_values(critic_params(), ro) * mask
-    np.testing.assert_allclose(np.asarray(exp["returns"]), (np_gae(shaped, values, mask, 1.0, 1.0) + values) * mask,
+    np.testing.assert_allclose(np.asarray(exp.returns), (np_gae(shaped, values, mask, 1.0, 1.0) + values) * mask,
                                atol=1e-4)
 
     raw = np_gae(shaped, values, mask, 1.0, 0.9)
-    adv = np.asarray(exp["advantages"])
+    adv = np.asarray(exp.advantages)
     np.testing.assert_allclose(adv, np_whiten(raw, mask), atol=1e-4)
     np.testing.assert_allclose(adv[valid].mean(), 0.0, atol=1e-5)
     np.testing.assert_allclose(adv[valid].std(), 1.0, atol=1e-4)
@@ -337,14 +345,14 @@ def test_experience_kl_in_reward_and_whitening():
     # Metrics report the advantages before whitening.
     np.testing.assert_allclose(float(m["adv/mean"]), raw[valid].mean(), rtol=1e-4, atol=1e-5)
     # The critic's calibration error is against the Monte-Carlo return of the task reward, not the KL-shaped one.
-    task_returns = np.cumsum((np.asarray(ro["rewards"]) * mask)[:, ::-1], axis=1)[:, ::-1]
+    task_returns = np.cumsum((np.asarray(ro.rewards) * mask)[:, ::-1], axis=1)[:, ::-1]
     first = valid[:, 0]
     np.testing.assert_allclose(float(m["diag/value_err_first"]),
                                (values[first, 0] - task_returns[first, 0]).mean(), rtol=1e-4, atol=1e-5)
     shaped_first = (values[first, 0] - want_returns[first, 0]).mean()
     assert abs(shaped_first - float(m["diag/value_err_first"])) > 1e-3
     # The collapse signal reads the same advantages (whitening does not change a correlation).
-    seq = np.asarray(ro["seq_rewards"])
+    seq = np.asarray(ro.seq_rewards)
     lengths = mask.sum(1)
     a0, n = raw[:, 0].astype(np.float64), lengths.astype(np.float64)
     rows = lengths > 0
@@ -370,17 +378,17 @@ def test_experience_grpo_group_advantages():
 
     ro = hand_rollout(seed=3, seq_rewards=seq)
     exp, m = experience_fn(hp)(make_state(hp, with_ref=True), ro)
-    adv = np.asarray(exp["advantages"])
+    adv = np.asarray(exp.advantages)
     for b in range(B):
         np.testing.assert_allclose(adv[b, :RESP_LENS[b]], known[b], atol=1e-5, err_msg=f"row {b}")
         assert (adv[b, RESP_LENS[b]:] == 0).all(), f"row {b}"
-    assert (np.asarray(exp["returns"]) == 0).all() and (np.asarray(exp["old_values"]) == 0).all()
+    assert (np.asarray(exp.returns) == 0).all() and (np.asarray(exp.old_values) == 0).all()
     # KL wiring: old log-probs from the actor params, reference log-probs from ref_params, k3 reported.
-    valid = np.asarray(ro["response_mask"]) > 0
+    valid = np.asarray(ro.response_mask) > 0
     logp, _ = ref_response_logp(actor_params(), ro, TEMP)
     ref, _ = ref_response_logp(ref_params(), ro, TEMP)
-    np.testing.assert_allclose(np.asarray(exp["old_logp"])[valid], logp[valid], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(exp["ref_logp"])[valid], ref[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.old_logp)[valid], logp[valid], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(exp.ref_logp)[valid], ref[valid], atol=1e-5)
     np.testing.assert_allclose(float(m["rollout/kl_to_ref"]), np_kl(logp, ref, "k3")[valid].mean(), rtol=1e-4)
 
 
@@ -394,7 +402,7 @@ def actor_minibatch(seed=4):
     (dual clip active), a reference policy != actor, and positive and non-positive rows."""
     ro = hand_rollout(seed=seed)
     rs = np.random.RandomState(seed)
-    mask = np.asarray(ro["response_mask"])
+    mask = np.asarray(ro.response_mask)
     logp, _ = ref_response_logp(actor_params(), ro, TEMP)
     ref, _ = ref_response_logp(ref_params(), ro, TEMP)
     log_ratio = rs.uniform(-0.6, 0.6, size=(B, R))
@@ -404,10 +412,9 @@ def actor_minibatch(seed=4):
         log_ratio[b, t], adv[b, t] = np.log(5.0), -1.5
     old_logp = logp - log_ratio
     positive = np.array([1, 0, 1, 0, 0, 1, 1, 0], np.float32)
-    mb = dict(tokens=ro["tokens"], attn_mask=ro["attn_mask"], mask=ro["response_mask"],
-              old_logp=jnp.asarray(np.where(mask > 0, old_logp, 0.0), jnp.float32),
-              advantages=jnp.asarray(adv * mask, jnp.float32),
-              ref_logp=jnp.asarray(np.where(mask > 0, ref, 0.0), jnp.float32), positive=jnp.asarray(positive))
+    mb = experience(ro, old_logp=jnp.asarray(np.where(mask > 0, old_logp, 0.0), jnp.float32),
+                    advantages=jnp.asarray(adv * mask, jnp.float32),
+                    ref_logp=jnp.asarray(np.where(mask > 0, ref, 0.0), jnp.float32), positive=jnp.asarray(positive))
     return mb, logp, ref
 
 
@@ -432,14 +439,14 @@ def test_actor_loss_terms_against_numpy(case):
     coefs = LOSS_COEFS
     mb, logp, ref = actor_minibatch()
     loss, m = actor_losses()[case]
-    mask = np.asarray(mb["mask"])
-    adv, old_logp = np.asarray(mb["advantages"], np.float64), np.asarray(mb["old_logp"], np.float64)
+    mask = np.asarray(mb.response_mask)
+    adv, old_logp = np.asarray(mb.advantages, np.float64), np.asarray(mb.old_logp, np.float64)
     _, entropy = ref_response_logp(actor_params(), mb, TEMP)
     per_token = np_policy_loss_per_token(logp, old_logp, adv, 0.2, 0.28, dual_clip)
     pg = np_aggregate(per_token, mask, loss_agg)
     ent = np_aggregate(entropy, mask, loss_agg)
     kl = np_aggregate(np_kl(logp, ref, kl_estimator), mask, loss_agg)
-    nll = np_aggregate(-logp, mask * np.asarray(mb["positive"])[:, None], loss_agg)
+    nll = np_aggregate(-logp, mask * np.asarray(mb.positive)[:, None], loss_agg)
     want = pg - coefs["entropy_coef"] * ent + coefs["kl_coef"] * kl + coefs["nll_coef"] * nll
 
     tol = dict(rtol=1e-5, atol=2e-5)
@@ -464,12 +471,12 @@ def test_critic_loss_value_clip_against_numpy():
     hp = hparams(value_clip=0.2, loss_agg="seq-mean-token-mean")
     ro = hand_rollout(seed=6)
     rs = np.random.RandomState(6)
-    mask = np.asarray(ro["response_mask"])
+    mask = np.asarray(ro.response_mask)
     values = ref_values(critic_params(), ro)
     old_values = values + rs.uniform(-0.6, 0.6, size=(B, R))
     returns = values + rs.normal(size=(B, R))
-    mb = dict(tokens=ro["tokens"], attn_mask=ro["attn_mask"], mask=ro["response_mask"],
-              old_values=jnp.asarray(old_values * mask, jnp.float32), returns=jnp.asarray(returns * mask, jnp.float32))
+    mb = experience(ro, old_values=jnp.asarray(old_values * mask, jnp.float32),
+                    returns=jnp.asarray(returns * mask, jnp.float32))
     loss, m = critic_loss(hp)(critic_params(), mb)
     v_clipped = old_values + np.clip(values - old_values, -0.2, 0.2)
     per_token = np.maximum((values - returns) ** 2, (v_clipped - returns) ** 2)
@@ -501,13 +508,13 @@ def test_update_never_changes_ref_params_and_measures_movement():
                                          new_state.actor.params, state.actor.params))
     assert any(moved)
     # The KL term was in the loss (kl_coef > 0, not in reward) and compared the actor with the frozen reference.
-    valid = np.asarray(ro["response_mask"]) > 0
+    valid = np.asarray(ro.response_mask) > 0
     logp, _ = ref_response_logp(actor_params(), ro, TEMP)
     ref, _ = ref_response_logp(ref_params(), ro, TEMP)
     np.testing.assert_allclose(float(m["policy/kl_loss"]), np_kl(logp, ref, "k3")[valid].mean(), rtol=1e-4)
     # policy/approx_kl and policy/clipfrac: the updated policy vs old_logp on the whole rollout.
     new_logp, _ = ref_response_logp(new_state.actor.params, ro, TEMP)
-    log_ratio = (new_logp - np.asarray(exp["old_logp"], np.float64))[valid]
+    log_ratio = (new_logp - np.asarray(exp.old_logp, np.float64))[valid]
     ratio = np.exp(log_ratio)
     assert np.abs(log_ratio).max() > 1e-3
     np.testing.assert_allclose(float(m["policy/approx_kl"]), (ratio - 1 - log_ratio).mean(), rtol=1e-3, atol=1e-7)
@@ -523,9 +530,9 @@ def test_update_never_changes_ref_params_and_measures_movement():
 def test_sft_loss_is_response_token_nll_and_ignores_padding():
     loss_fn = jit(sft_loss_fn(ACTOR, chunk=CHUNK))
     ro = hand_rollout(seed=7)
-    batch = dict(tokens=ro["tokens"], attn_mask=ro["attn_mask"], response_mask=ro["response_mask"])
+    batch = dict(tokens=ro.tokens, attn_mask=ro.attn_mask, response_mask=ro.response_mask)
     loss, m = loss_fn(actor_params(), batch)
-    mask = np.asarray(ro["response_mask"])
+    mask = np.asarray(ro.response_mask)
     logp, _ = ref_response_logp(actor_params(), ro, 1.0)  # SFT trains the untempered distribution
     want = -(logp * mask).sum() / mask.sum()
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
@@ -533,13 +540,13 @@ def test_sft_loss_is_response_token_nll_and_ignores_padding():
 
     # New ids on every padding position (prompt left padding, response right padding): same loss.
     rs = np.random.RandomState(8)
-    attn = np.asarray(ro["attn_mask"])
-    repadded = np.where(attn, np.asarray(ro["tokens"]), rs.randint(1, V, size=attn.shape))
-    assert (repadded != np.asarray(ro["tokens"]))[~attn].any()
+    attn = np.asarray(ro.attn_mask)
+    repadded = np.where(attn, np.asarray(ro.tokens), rs.randint(1, V, size=attn.shape))
+    assert (repadded != np.asarray(ro.tokens))[~attn].any()
     loss2, _ = loss_fn(actor_params(), dict(batch, tokens=jnp.asarray(repadded, jnp.int32)))
     np.testing.assert_allclose(float(loss2), float(loss), rtol=1e-6)
     # ... while a response token does change it (the check above is not vacuous).
-    changed = np.asarray(ro["tokens"]).copy()
+    changed = np.asarray(ro.tokens).copy()
     changed[1, P + 2] = (changed[1, P + 2] % (V - 1)) + 1
     loss3, _ = loss_fn(actor_params(), dict(batch, tokens=jnp.asarray(changed, jnp.int32)))
     assert abs(float(loss3) - float(loss)) > 1e-4
@@ -551,7 +558,7 @@ def test_sft_loss_of_a_batch_trimmed_of_padding_is_unchanged():
     loss_fn = jit(sft_loss_fn(ACTOR, chunk=CHUNK))
     rows = [0, 2, 3, 5, 6]  # prompts of at most 3 of P = 4 tokens, responses of at most 5 of R = 6
     ro = hand_rollout(seed=9)
-    full = {k: np.asarray(ro[k])[rows] for k in ("tokens", "attn_mask", "response_mask")}
+    full = {k: np.asarray(getattr(ro, k))[rows] for k in ("tokens", "attn_mask", "response_mask")}
     p, r = PROMPT_LENS[rows].max(), RESP_LENS[rows].max()
     assert p < P and r < R
     trimmed = dict(tokens=full["tokens"][:, P - p:P + r], attn_mask=full["attn_mask"][:, P - p:P + r],

@@ -55,18 +55,18 @@ SEQ_REWARDS = np.array([0.5, -1.0, 2.0, 3.0, -4.0, 1.5, 7.0, -0.25], np.float32)
 def test_to_rollout_layout_and_reward_at_each_last_token():
     out, prompt_mask = hand_sample_output()
     ro = rollout_lib.to_rollout(out, prompt_mask, SEQ_REWARDS)
-    np.testing.assert_array_equal(ro["rewards"], expected_rewards(SEQ_REWARDS, RESP_LENS, R))
+    np.testing.assert_array_equal(ro.rewards, expected_rewards(SEQ_REWARDS, RESP_LENS, R))
     for b in range(B):  # the same, spelled out for short rows
-        assert ro["rewards"][b, RESP_LENS[b] - 1] == SEQ_REWARDS[b]
-        assert np.count_nonzero(ro["rewards"][b]) == 1
-    assert ro["attn_mask"].dtype == bool
-    np.testing.assert_array_equal(ro["attn_mask"], np.concatenate([prompt_mask > 0, out.response_mask > 0], 1))
-    assert ro["response_mask"].dtype == np.float32
-    np.testing.assert_array_equal(ro["response_mask"], out.response_mask)
-    np.testing.assert_array_equal(ro["response_mask"].sum(1), RESP_LENS)
-    np.testing.assert_array_equal(ro["tokens"], out.tokens)
-    np.testing.assert_array_equal(ro["seq_rewards"], SEQ_REWARDS)
-    np.testing.assert_array_equal(ro["sample_logp"], out.logprobs)
+        assert ro.rewards[b, RESP_LENS[b] - 1] == SEQ_REWARDS[b]
+        assert np.count_nonzero(ro.rewards[b]) == 1
+    assert ro.attn_mask.dtype == bool
+    np.testing.assert_array_equal(ro.attn_mask, np.concatenate([prompt_mask > 0, out.response_mask > 0], 1))
+    assert ro.response_mask.dtype == np.float32
+    np.testing.assert_array_equal(ro.response_mask, out.response_mask)
+    np.testing.assert_array_equal(ro.response_mask.sum(1), RESP_LENS)
+    np.testing.assert_array_equal(ro.tokens, out.tokens)
+    np.testing.assert_array_equal(ro.seq_rewards, SEQ_REWARDS)
+    np.testing.assert_array_equal(ro.sample_logp, out.logprobs)
 
 
 def test_place_rewards_on_full_and_length_one_rows():
@@ -78,15 +78,15 @@ def test_place_rewards_on_full_and_length_one_rows():
 def test_shuffle_rewards_permutes_and_replaces_at_own_last_token():
     out, prompt_mask = hand_sample_output()
     ro = rollout_lib.to_rollout(out, prompt_mask, SEQ_REWARDS)
-    before = {k: v.copy() for k, v in ro.items()}
+    before = {k: v.copy() for k, v in vars(ro).items()}
     shuffled = rollout_lib.shuffle_rewards(ro, np.random.default_rng(0))
-    seq = shuffled["seq_rewards"]
+    seq = shuffled.seq_rewards
     np.testing.assert_array_equal(np.sort(seq), np.sort(SEQ_REWARDS))  # a permutation
     assert not np.array_equal(seq, SEQ_REWARDS)  # that moves something (fixed seed)
-    np.testing.assert_array_equal(shuffled["rewards"], expected_rewards(seq, RESP_LENS, R))
+    np.testing.assert_array_equal(shuffled.rewards, expected_rewards(seq, RESP_LENS, R))
     for k in ("tokens", "attn_mask", "response_mask", "sample_logp"):
-        np.testing.assert_array_equal(shuffled[k], before[k])
-    for k, v in ro.items():  # the input rollout is left as it was
+        np.testing.assert_array_equal(getattr(shuffled, k), before[k])
+    for k, v in vars(ro).items():  # the input rollout is left as it was
         np.testing.assert_array_equal(v, before[k])
 
 
@@ -205,9 +205,7 @@ def test_evaluate_against_known_answers():
 
 def test_rollout_stats_known_values():
     lengths = np.array([1, R, 3, R])
-    ro = dict(response_mask=(np.arange(R)[None, :] < lengths[:, None]).astype(np.float32),
-              seq_rewards=np.array([1.0, -1.0, 1.0, 0.5], np.float32))
-    stats = rollout_lib.rollout_stats(ro, correct=1.0, max_len=R)
+    stats = rollout_lib.rollout_stats(np.array([1.0, -1.0, 1.0, 0.5], np.float32), lengths, correct=1.0, max_len=R)
     assert stats == pytest.approx({"rollout/reward_mean": 0.375, "rollout/accuracy": 0.5,
                                    "rollout/response_length_mean": 4.0, "rollout/response_length_max": R,
                                    "rollout/response_length_min": 1.0, "rollout/clip_ratio": 0.5})

@@ -24,6 +24,7 @@ import pytest
 
 from testutil import random_params
 from vcppo_jax import config as config_lib
+from vcppo_jax import rl
 from vcppo_jax import sft as sft_lib
 from vcppo_jax import value_train
 from vcppo_jax.data import RecordSource
@@ -91,10 +92,10 @@ def hand_rollout(seed, lengths=RESP_LENS, dense_rewards=False):
     for b, n in enumerate(lengths):
         if n > 0:
             rewards[b, n - 1] = seq_rewards[b]
-    return dict(tokens=jnp.asarray(rs.randint(1, V, size=(B, P + R)), jnp.int32),
-                attn_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask > 0], 1)),
-                response_mask=jnp.asarray(resp_mask), rewards=jnp.asarray(rewards),
-                seq_rewards=jnp.asarray(seq_rewards))
+    return rl.Rollout(tokens=jnp.asarray(rs.randint(1, V, size=(B, P + R)), jnp.int32),
+                      attn_mask=jnp.asarray(np.concatenate([prompt_mask, resp_mask > 0], 1)),
+                      response_mask=jnp.asarray(resp_mask), rewards=jnp.asarray(rewards),
+                      seq_rewards=jnp.asarray(seq_rewards))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -109,10 +110,11 @@ def test_value_targets_are_discounted_returns_of_every_token_reward(gamma):
     response tokens. Rows of length 0, 1, partial and full R; garbage rewards past the response are ignored."""
     lengths = np.array([1, R, 3, 0, R, 4, 2, 5])
     ro = hand_rollout(seed=3, lengths=lengths, dense_rewards=True)
-    rewards = np.asarray(ro["rewards"])
+    rewards = np.asarray(ro.rewards)
     assert (rewards[np.arange(R)[None] >= lengths[:, None]] != 0).any()  # precondition: garbage past the end
-    mask = np.asarray(ro["response_mask"])
-    targets, weights = value_train.value_targets(ro, gamma=gamma, eos_only=False)
+    mask = np.asarray(ro.response_mask)
+    targets, weights = value_train.value_targets(ro.rewards, ro.seq_rewards, ro.response_mask, gamma=gamma,
+                                                 eos_only=False)
     want = np_mc_returns(rewards, mask, gamma)
     np.testing.assert_allclose(np.asarray(targets), want, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(weights), mask)
@@ -133,9 +135,10 @@ def test_value_targets_eos_only_sequence_reward_at_each_last_token():
     for rewards in (None, garbage):
         ro = hand_rollout(seed=4, lengths=lengths)
         if rewards is not None:
-            ro = dict(ro, rewards=jnp.asarray(rewards))
-        seq = np.asarray(ro["seq_rewards"])
-        targets, weights = value_train.value_targets(ro, gamma=0.9, eos_only=True)
+            ro = ro.replace(rewards=jnp.asarray(rewards))
+        seq = np.asarray(ro.seq_rewards)
+        targets, weights = value_train.value_targets(ro.rewards, ro.seq_rewards, ro.response_mask, gamma=0.9,
+                                                     eos_only=True)
         want_w = np_eos_weights(lengths, R)
         np.testing.assert_array_equal(np.asarray(weights), want_w)
         np.testing.assert_array_equal(np.asarray(targets), want_w * seq[:, None])
@@ -155,8 +158,8 @@ def test_value_targets_truncated_responses_are_failures_at_a_strict_prefix(fract
     n = len(lengths)
     mask = (np.arange(R)[None] < lengths[:, None]).astype(np.float32)
     seq = np.where(np.arange(n) % 3 == 0, 1.0, -1.0).astype(np.float32)
-    ro = dict(response_mask=jnp.asarray(mask), seq_rewards=jnp.asarray(seq), rewards=jnp.zeros((n, R)))
-    targets, weights = value_train.value_targets(ro, gamma=1.0, eos_only=True, truncated_fraction=fraction,
+    rollout = (jnp.zeros((n, R)), jnp.asarray(seq), jnp.asarray(mask))  # token rewards, sequence rewards, mask
+    targets, weights = value_train.value_targets(*rollout, gamma=1.0, eos_only=True, truncated_fraction=fraction,
                                                  truncated_reward=-3.0, rng=jax.random.PRNGKey(5))
     targets, weights = np.asarray(targets), np.asarray(weights)
     np.testing.assert_array_equal(weights.sum(1), (lengths > 0).astype(np.float32))
@@ -173,10 +176,10 @@ def test_value_targets_truncated_responses_are_failures_at_a_strict_prefix(fract
     assert abs(share - fraction) < 4 * np.sqrt(fraction * (1 - fraction) / eligible.sum())
     full = cut & (lengths == R)
     assert set(pos[full].tolist()) == set(range(R - 1))  # every strict prefix of a full row is drawn
-    again = value_train.value_targets(ro, gamma=1.0, eos_only=True, truncated_fraction=fraction,
+    again = value_train.value_targets(*rollout, gamma=1.0, eos_only=True, truncated_fraction=fraction,
                                       truncated_reward=-3.0, rng=jax.random.PRNGKey(5))[1]
     np.testing.assert_array_equal(np.asarray(again), weights)  # a function of the key
-    plain = value_train.value_targets(ro, gamma=1.0, eos_only=True)[1]
+    plain = value_train.value_targets(*rollout, gamma=1.0, eos_only=True)[1]
     assert (np.asarray(plain).argmax(1) != pos).any() and fraction > 0
 
 
@@ -240,7 +243,7 @@ _full_values = jit(_values_full)
 
 def ref_values(params, batch):
     """V(s_t) for response token t from a full-sequence forward (no truncation): position P-1+t predicts token t."""
-    return np.asarray(_full_values(params, batch["tokens"], batch["attn_mask"]), np.float64)[:, P - 1:-1]
+    return np.asarray(_full_values(params, batch.tokens, batch.attn_mask), np.float64)[:, P - 1:-1]
 
 
 @jit
@@ -254,7 +257,7 @@ def _ref_grad(params, tokens, attn_mask, targets, weights):
 
 def expected_sgd_params(params, batch, targets, weights):
     """params - LR * grad: one plain SGD update on the whole batch (one minibatch: its order does not matter)."""
-    g = _ref_grad(params, batch["tokens"], batch["attn_mask"], jnp.asarray(targets, jnp.float32),
+    g = _ref_grad(params, batch.tokens, batch.attn_mask, jnp.asarray(targets, jnp.float32),
                   jnp.asarray(weights, jnp.float32))
     return jax.tree.map(lambda p, g: np.asarray(p, np.float64) - LR * np.asarray(g, np.float64), params, g)
 
@@ -285,8 +288,8 @@ def test_value_step_pretrain_metrics_from_initial_params_and_update():
     discounted returns. The update is one SGD step down the gradient of that same loss (reference gradient from the
     formula on a full-sequence forward), so the critic is trained on these targets and weights."""
     ro = hand_rollout(seed=5, dense_rewards=True)
-    mask = np.asarray(ro["response_mask"])
-    targets = np_mc_returns(ro["rewards"], mask, 0.9)
+    mask = np.asarray(ro.response_mask)
+    targets = np_mc_returns(ro.rewards, mask, 0.9)
     v0 = ref_values(critic_params(), ro)
     want_loss, want_ev, want_mean = np_value_metrics(v0, targets, mask)
     new_state, m = run_step(False, 0.9, ro)
@@ -301,7 +304,7 @@ def test_value_step_pretrain_metrics_from_initial_params_and_update():
     assert max_param_diff(critic_params(), want_params) > 1e-2
     after_loss, after_ev, _ = np_value_metrics(ref_values(new_state.params, ro), targets, mask)
     assert abs(after_loss - want_loss) > 1e-3 * want_loss and abs(after_ev - want_ev) > 0.1
-    undiscounted = np_mc_returns(ro["rewards"], mask, 1.0)
+    undiscounted = np_mc_returns(ro.rewards, mask, 1.0)
     assert abs(np_value_metrics(v0, undiscounted, mask)[0] - want_loss) > 1e-2 * want_loss
     assert max_param_diff(expected_sgd_params(critic_params(), ro, undiscounted, mask), want_params) > 1e-4
     eos_w = np_eos_weights(RESP_LENS, R)
@@ -314,7 +317,7 @@ def test_value_step_reward_model_only_last_tokens_count():
     loss alone. The token rewards are never read: replacing the sparse rewards by dense garbage leaves the metrics
     and the updated params exactly as they were."""
     ro = hand_rollout(seed=6)
-    seq = np.asarray(ro["seq_rewards"], np.float64)
+    seq = np.asarray(ro.seq_rewards, np.float64)
     v0 = ref_values(critic_params(), ro)
     eos_w = np_eos_weights(RESP_LENS, R)
     eos_t = eos_w * seq[:, None]
@@ -333,14 +336,14 @@ def test_value_step_reward_model_only_last_tokens_count():
     final_col = np.zeros_like(eos_w)
     final_col[:, -1] = 1.0
     assert abs(np_value_metrics(v0, final_col * seq[:, None], final_col)[0] - want_loss) > 1e-2 * want_loss
-    mask = np.asarray(ro["response_mask"])
-    mc = np_mc_returns(ro["rewards"], mask, 1.0)
+    mask = np.asarray(ro.response_mask)
+    mc = np_mc_returns(ro.rewards, mask, 1.0)
     assert abs(np_value_metrics(v0, mc, mask)[0] - want_loss) > 1e-2 * want_loss
     assert max_param_diff(expected_sgd_params(critic_params(), ro, mc, mask), want_params) > 1e-4
     after = ref_values(new_state.params, ro)
     assert abs(np_value_metrics(after, eos_t, eos_w)[0] - want_loss) > 1e-2 * want_loss
 
-    garbage = dict(ro, rewards=jnp.asarray(np.random.RandomState(9).normal(size=(B, R)).astype(np.float32)))
+    garbage = ro.replace(rewards=jnp.asarray(np.random.RandomState(9).normal(size=(B, R)).astype(np.float32)))
     state2, m2 = run_step(True, 1.0, garbage)
     for k in ("value/loss", "value/explained_var", "value/mean"):
         assert m2[k] == m[k], k

@@ -100,9 +100,9 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
         return [_sampler_program(actor, config, rt, min(config.eval_prompts, b), tok, 0.0),
                 ("sft_step", step, (state, batch))], state
     b = config.prompts_per_step * config.group_size
-    rollout = _batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
-                     response_mask=((b, R), jnp.float32), rewards=((b, R), jnp.float32),
-                     seq_rewards=((b,), jnp.float32), sample_logp=((b, R), jnp.float32))
+    rollout = rl.Rollout(**_batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
+                                  response_mask=((b, R), jnp.float32), rewards=((b, R), jnp.float32),
+                                  seq_rewards=((b,), jnp.float32), sample_logp=((b, R), jnp.float32)))
     sampler = _sampler_program(actor, config, rt, b, tok, config.sampling.temperature)
     if config.stage in ("value_pretrain", "reward_model"):
         critic, tx = ValueModel(cfg), make_optimizer(config.optim)
@@ -125,8 +125,8 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
     experience_fn = jax.jit(rl.make_experience_fn(hp, actor, critic))
     with rt.context():
         experience, _ = jax.eval_shape(experience_fn, state, rollout)
-    experience = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(rt.mesh))
-                  for k, v in experience.items()}
+    experience = jax.tree.map(
+        lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(rt.mesh)), experience)
     update_fn = jax.jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx), donate_argnums=0)
     # Without a reference policy in the state, the drift probe holds a copy of the SFT params (rl_loop.run_rl).
     sft_copy = _abstract_params(actor, rt) if config.eval_kl_to_sft and state.ref_params is None else None

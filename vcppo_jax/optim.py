@@ -59,11 +59,11 @@ def all_finite(*trees) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def train_epochs(state: ModelState, batch: dict, rng: jax.Array, loss_fn, tx: optax.GradientTransformation, *,
+def train_epochs(state: ModelState, batch: Any, rng: jax.Array, loss_fn, tx: optax.GradientTransformation, *,
                  num_epochs: int, num_minibatches: int) -> tuple[ModelState, dict]:
     """`num_epochs` passes of shuffled minibatch steps of `loss_fn(params, minibatch) -> (loss, metrics)`.
 
-    batch: leaves with a leading batch axis divisible by `num_minibatches`. A step whose loss or gradient is not
+    batch: a pytree (a dict, `rl.Experience`) of leaves with a leading batch axis divisible by `num_minibatches`. A step whose loss or gradient is not
     finite is skipped (params and optimizer state unchanged) and counted in 'train/nonfinite'. Returns the new state
     and metrics averaged over all steps ('train/nonfinite' summed).
     """

@@ -3,10 +3,9 @@
   rollout --make_experience--> old log-probs, ref log-probs, values, decoupled GAE (or group advantages)
           --update--> epochs x minibatches of clipped-PPO actor steps and value-regression critic steps.
 
-Both are pure functions `f(state, batch) -> (state | experience, metrics)`, jitted once by the caller. A rollout is
-a dict in the shared layout (prompt left-padded to P, response right-padded to R):
-  tokens [B, P+R] int32, attn_mask [B, P+R] bool, response_mask [B, R] float32,
-  rewards [B, R] float32 (sequence reward at the last response token), seq_rewards [B] float32.
+Both are pure functions `f(state, batch) -> (state | experience, metrics)`, jitted once by the caller. `Rollout`
+(what the host sampled and scored) and `Experience` (what the update trains on) share one layout: prompt left-padded
+to P, response right-padded to R, and `response_mask` [B, R] marking the response tokens in both.
 """
 
 from __future__ import annotations
@@ -28,11 +27,36 @@ from vcppo_jax import metrics as metrics_lib
 from vcppo_jax.models import position_ids, token_logprobs
 from vcppo_jax.optim import ModelState, train_epochs
 
-Batch = dict[str, jax.Array]
-
 # How advantages are estimated (config.advantage): 'gae' with a critic (PPO, VC-PPO: decoupled GAE), 'group' without
 # one (GRPO: each response's reward relative to its prompt's group).
 ADVANTAGE_ESTIMATORS = ("gae", "group")
+
+
+@struct.dataclass
+class Rollout:
+    """One batch of sampled, scored responses (numpy on the host, arrays on the devices)."""
+
+    tokens: jax.Array  # [B, P+R] int32: left-padded prompt, then the response right-padded
+    attn_mask: jax.Array  # [B, P+R] bool: real tokens (prompt and response)
+    response_mask: jax.Array  # [B, R] float32: 1 on response tokens, the EOS included
+    rewards: jax.Array  # [B, R] float32: each sequence reward at its response's last token, 0 elsewhere
+    seq_rewards: jax.Array  # [B] float32: the verifier's reward (or the control's / a hook's replacement)
+    sample_logp: jax.Array | None = None  # [B, R] float32: the sampler's log-prob of each drawn token, 0 past it
+
+
+@struct.dataclass
+class Experience:
+    """Everything the update needs, computed once per rollout with the pre-update networks."""
+
+    tokens: jax.Array  # [B, P+R] int32
+    attn_mask: jax.Array  # [B, P+R] bool
+    response_mask: jax.Array  # [B, R] float32
+    old_logp: jax.Array  # [B, R] float32: log-probs under the policy that sampled (at the sampling temperature)
+    ref_logp: jax.Array  # [B, R] float32: under the reference policy (== old_logp without one)
+    old_values: jax.Array  # [B, R] float32: V(s_t) before the update (0 without a critic)
+    advantages: jax.Array  # [B, R] float32: actor advantages (whitened when configured), 0 past the response
+    returns: jax.Array  # [B, R] float32: critic targets (0 without a critic)
+    positive: jax.Array  # [B] float32: 1 for responses with a positive sequence reward (the NLL term's rows)
 
 
 @struct.dataclass
@@ -146,15 +170,15 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
                                temperature=hp.temperature)
         return by_minibatch(fn, hp.num_minibatches, tokens, attn_mask)
 
-    def make_experience(state: RLState, rollout: Batch) -> tuple[Batch, dict]:
-        tokens, attn_mask, mask = rollout["tokens"], rollout["attn_mask"], rollout["response_mask"]
+    def make_experience(state: RLState, rollout: Rollout) -> tuple[Experience, dict]:
+        tokens, attn_mask, mask = rollout.tokens, rollout.attn_mask, rollout.response_mask
         old_logp, entropy = logprobs(state.actor.params, tokens, attn_mask)
         if state.ref_params is not None:
             ref_logp, _ = logprobs(state.ref_params, tokens, attn_mask)
         else:
             ref_logp = old_logp
         kl = losses.kl_penalty(old_logp, ref_logp, hp.kl_estimator) * mask
-        rewards = rollout["rewards"]
+        rewards = rollout.rewards
         if hp.kl_in_reward and hp.kl_coef > 0:
             rewards = rewards - hp.kl_coef * kl
         lengths = mask.sum(axis=1)
@@ -166,22 +190,22 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
                          if hp.adaptive_lambda else hp.lambda_actor)
             advantages, returns = gae_lib.decoupled_gae(rewards, values, mask, gamma=hp.gamma,
                                                         lambda_actor=lam_actor, lambda_critic=hp.lambda_critic)
-            mc_returns = gae_lib.monte_carlo_returns(rollout["rewards"], mask, gamma=hp.gamma)
+            mc_returns = gae_lib.monte_carlo_returns(rollout.rewards, mask, gamma=hp.gamma)
             m.update(_position_diagnostics(values, advantages, mask, hp, mc_returns=mc_returns))
             m["value/explained_var_old"] = losses.explained_variance(values, returns, mask)
         else:
             values = returns = jnp.zeros_like(mask)
-            group_adv = losses.grpo_advantages(rollout["seq_rewards"], hp.group_size,
+            group_adv = losses.grpo_advantages(rollout.seq_rewards, hp.group_size,
                                                normalize_std=hp.grpo_normalize_std)
             advantages = group_adv[:, None] * mask
             m.update(_position_diagnostics(None, advantages, mask, hp))
-        m["diag/adv_length_corr"] = metrics_lib.advantage_length_corr(advantages, mask, rollout["seq_rewards"])
+        m["diag/adv_length_corr"] = metrics_lib.advantage_length_corr(advantages, mask, rollout.seq_rewards)
         raw_advantages = advantages
         if hp.whiten_advantages and hp.has_critic:
             advantages = gae_lib.whiten(advantages, mask)
-        experience = dict(tokens=tokens, attn_mask=attn_mask, mask=mask, old_logp=old_logp, ref_logp=ref_logp,
-                          old_values=values, advantages=advantages, returns=returns,
-                          positive=(rollout["seq_rewards"] > 0).astype(jnp.float32))
+        experience = Experience(tokens=tokens, attn_mask=attn_mask, response_mask=mask, old_logp=old_logp,
+                                ref_logp=ref_logp, old_values=values, advantages=advantages, returns=returns,
+                                positive=(rollout.seq_rewards > 0).astype(jnp.float32))
         n = jnp.maximum(mask.sum(), 1.0)
         m.update({
             "rollout/kl_to_ref": (kl * mask).sum() / n,
@@ -223,11 +247,11 @@ def _position_diagnostics(values, advantages, mask, hp: RLHparams, mc_returns=No
 
 
 def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
-    def loss_fn(params, mb: Batch) -> tuple[jax.Array, dict]:
-        logp, entropy = policy_logprobs(actor, params, mb["tokens"], mb["attn_mask"], prompt_len=hp.prompt_len,
+    def loss_fn(params, mb: Experience) -> tuple[jax.Array, dict]:
+        logp, entropy = policy_logprobs(actor, params, mb.tokens, mb.attn_mask, prompt_len=hp.prompt_len,
                                         chunk=hp.logprob_chunk, temperature=hp.temperature)
-        mask = mb["mask"]
-        loss, m = losses.policy_loss(logp, mb["old_logp"], mb["advantages"], mask, clip_low=hp.clip_low,
+        mask = mb.response_mask
+        loss, m = losses.policy_loss(logp, mb.old_logp, mb.advantages, mask, clip_low=hp.clip_low,
                                      clip_high=hp.clip_high, dual_clip=hp.dual_clip, agg_mode=hp.loss_agg)
         # Ratio statistics of this minibatch step (the first step of an iteration is exactly on-policy).
         m = {k.replace("policy/", "policy/mb_"): v for k, v in m.items() if k != "policy/loss"}
@@ -237,11 +261,11 @@ def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
         if hp.entropy_coef > 0:
             loss = loss - hp.entropy_coef * ent
         if hp.kl_coef > 0 and not hp.kl_in_reward:
-            kl = losses.aggregate(losses.kl_penalty(logp, mb["ref_logp"], hp.kl_estimator), mask, hp.loss_agg)
+            kl = losses.aggregate(losses.kl_penalty(logp, mb.ref_logp, hp.kl_estimator), mask, hp.loss_agg)
             m["policy/kl_loss"] = kl
             loss = loss + hp.kl_coef * kl
         if hp.nll_coef > 0:
-            pos_mask = mask * mb["positive"][:, None]
+            pos_mask = mask * mb.positive[:, None]
             nll = losses.nll_loss(logp, pos_mask, hp.loss_agg)
             m["policy/nll_loss"] = nll
             loss = loss + hp.nll_coef * nll
@@ -252,18 +276,18 @@ def actor_loss_fn(hp: RLHparams, actor: nn.Module) -> Callable:
 
 
 def critic_loss_fn(hp: RLHparams, critic: nn.Module) -> Callable:
-    def loss_fn(params, mb: Batch) -> tuple[jax.Array, dict]:
-        values = critic_values(critic, params, mb["tokens"], mb["attn_mask"], prompt_len=hp.prompt_len)
-        loss, m = losses.value_loss(values, mb["old_values"], mb["returns"], mb["mask"], clip=hp.value_clip,
+    def loss_fn(params, mb: Experience) -> tuple[jax.Array, dict]:
+        values = critic_values(critic, params, mb.tokens, mb.attn_mask, prompt_len=hp.prompt_len)
+        loss, m = losses.value_loss(values, mb.old_values, mb.returns, mb.response_mask, clip=hp.value_clip,
                                     agg_mode=hp.loss_agg)
         m = dict(m)
-        m["value/explained_var"] = losses.explained_variance(values, mb["returns"], mb["mask"])
+        m["value/explained_var"] = losses.explained_variance(values, mb.returns, mb.response_mask)
         return loss, m
 
     return loss_fn
 
 
-def policy_movement(hp: RLHparams, actor: nn.Module, params, experience: Batch) -> dict:
+def policy_movement(hp: RLHparams, actor: nn.Module, params, experience: Experience) -> dict:
     """How far one whole update moved the policy on that iteration's rollout, measured after the update.
 
     Per-minibatch means of the ratio statistics include the first minibatch step, which is exactly on-policy, so
@@ -273,10 +297,10 @@ def policy_movement(hp: RLHparams, actor: nn.Module, params, experience: Batch) 
     """
     fn = functools.partial(policy_logprobs, actor, params, prompt_len=hp.prompt_len, chunk=hp.logprob_chunk,
                            temperature=hp.temperature)
-    logp, _ = by_minibatch(fn, hp.num_minibatches, experience["tokens"], experience["attn_mask"])
+    logp, _ = by_minibatch(fn, hp.num_minibatches, experience.tokens, experience.attn_mask)
     logp = jax.lax.stop_gradient(logp)
-    valid = experience["mask"] > 0
-    log_ratio = jnp.where(valid, logp - experience["old_logp"], 0.0)
+    valid = experience.response_mask > 0
+    log_ratio = jnp.where(valid, logp - experience.old_logp, 0.0)
     ratio = jnp.exp(log_ratio)
     n = jnp.maximum(valid.sum(), 1)
     outside = valid & ((ratio < 1.0 - hp.clip_low) | (ratio > 1.0 + hp.clip_high))
@@ -295,7 +319,7 @@ def make_update_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None,
     actor_loss, critic_loss = actor_loss_fn(hp, actor), critic_loss_fn(hp, critic) if hp.has_critic else None
     sgd = functools.partial(train_epochs, num_epochs=hp.num_epochs, num_minibatches=hp.num_minibatches)
 
-    def update(state: RLState, experience: Batch) -> tuple[RLState, dict]:
+    def update(state: RLState, experience: Experience) -> tuple[RLState, dict]:
         rng, actor_rng, critic_rng = jax.random.split(state.rng, 3)
         actor_state, m = sgd(state.actor, experience, actor_rng, actor_loss, actor_tx)
         m["policy/grad_norm"] = m.pop("grad_norm")

@@ -158,7 +158,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                               if not k.endswith("direct_fraction")})
         logger.write(step, last_eval)
 
-    def sample_round(step: int, k: int) -> dict[str, np.ndarray]:
+    def sample_round(step: int, k: int) -> rl.Rollout:
         """This process's rows of round k of step's rollout: round 0 is the step's batch; later rounds (dynamic
         sampling) draw other prompts from their own deterministic stream, so a resumed run draws the same ones."""
         seed, rng = config.seed, jax.random.fold_in(key, step)
@@ -181,8 +181,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                         config.max_sampling_rounds, rows, rt)
                     if config.reward_shaping != "none":
                         train_rollout = with_seq_rewards(train_rollout, hooks.shape_rewards(
-                            config.reward_shaping, train_rollout["seq_rewards"],
-                            train_rollout["response_mask"].sum(axis=1), max_len=R, buffer=config.overlong_buffer,
+                            config.reward_shaping, train_rollout.seq_rewards,
+                            train_rollout.response_mask.sum(axis=1), max_len=R, buffer=config.overlong_buffer,
                             penalty=config.overlong_penalty))
                     if config.shuffle_rewards:
                         train_rollout = shuffle_rewards(train_rollout, np.random.default_rng([config.seed, step]),

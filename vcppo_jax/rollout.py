@@ -19,6 +19,7 @@ from vcppo_jax import hooks
 from vcppo_jax.data import RecordSource
 from vcppo_jax.data.batching import encode_prompts
 from vcppo_jax.rewards import score_batch
+from vcppo_jax.rl import Rollout
 from vcppo_jax.sampling import SampleOutput, decode_responses
 
 
@@ -81,35 +82,33 @@ def place_rewards(seq_rewards: np.ndarray, response_mask: np.ndarray) -> np.ndar
     return rewards
 
 
-def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
-    """The RL batch (see `rl.py`): sequence reward placed at each response's last token; `sample_logp` [B, R] is
-    the sampler's log-prob of each drawn token (0 past the response)."""
+def to_rollout(out: SampleOutput, prompt_mask: np.ndarray, seq_rewards: np.ndarray) -> Rollout:
+    """The RL batch (numpy): each sequence reward [B] placed at its response's last token."""
     response_mask = np.asarray(out.response_mask, np.float32)
     attn_mask = np.concatenate([np.asarray(prompt_mask, bool), response_mask > 0], axis=1)
-    return dict(tokens=np.asarray(out.tokens, np.int32), attn_mask=attn_mask, response_mask=response_mask,
-                rewards=place_rewards(seq_rewards, response_mask), seq_rewards=np.asarray(seq_rewards, np.float32),
-                sample_logp=np.asarray(out.logprobs, np.float32))
+    return Rollout(tokens=np.asarray(out.tokens, np.int32), attn_mask=attn_mask, response_mask=response_mask,
+                   rewards=place_rewards(seq_rewards, response_mask), seq_rewards=np.asarray(seq_rewards, np.float32),
+                   sample_logp=np.asarray(out.logprobs, np.float32))
 
 
-def with_seq_rewards(rollout: dict[str, np.ndarray], seq_rewards: np.ndarray) -> dict[str, np.ndarray]:
+def with_seq_rewards(rollout: Rollout, seq_rewards: np.ndarray) -> Rollout:
     """`rollout` training on other sequence rewards [B], each placed at its row's own last token."""
     seq_rewards = np.asarray(seq_rewards, np.float32)
-    return dict(rollout, seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout["response_mask"]))
+    return rollout.replace(seq_rewards=seq_rewards, rewards=place_rewards(seq_rewards, rollout.response_mask))
 
 
-def shuffle_rewards(rollout: dict[str, np.ndarray], rng: np.random.Generator, rows: slice | None = None,
-                    io: HostIO = SINGLE_HOST) -> dict[str, np.ndarray]:
+def shuffle_rewards(rollout: Rollout, rng: np.random.Generator, rows: slice | None = None,
+                    io: HostIO = SINGLE_HOST) -> Rollout:
     """The shuffled-reward control: sequence rewards permuted across the rows of the (global) batch, then placed at
     each row's own last token. Keeps the reward distribution and every length; removes any link to the response.
     rows: which rows of the global batch `rollout` holds (None: all of it)."""
-    rows = slice(0, len(rollout["seq_rewards"])) if rows is None else rows
-    seq_rewards = io.gather(rollout["seq_rewards"], rows)
+    rows = slice(0, len(rollout.seq_rewards)) if rows is None else rows
+    seq_rewards = io.gather(rollout.seq_rewards, rows)
     return with_seq_rewards(rollout, seq_rewards[rng.permutation(len(seq_rewards))][rows])
 
 
-def sample_filtered(sample_round: Callable[[int], dict[str, np.ndarray]], group_filter: str, group_size: int,
-                    max_rounds: int, rows: slice, io: HostIO = SINGLE_HOST
-                    ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, float]]:
+def sample_filtered(sample_round: Callable[[int], Rollout], group_filter: str, group_size: int, max_rounds: int,
+                    rows: slice, io: HostIO = SINGLE_HOST) -> tuple[Rollout, Rollout, dict[str, float]]:
     """A batch of groups that pass `group_filter` (`hooks.keep_groups`; DAPO's dynamic sampling).
 
     sample_round(k) -> this process's rows of round k's rollout (a fresh prompt batch of the same shape; round 0 is
@@ -126,27 +125,25 @@ def sample_filtered(sample_round: Callable[[int], dict[str, np.ndarray]], group_
         if k:
             local = sample_round(k)
         whole = io.gather(local, rows)  # every process takes the same decision
-        keep = hooks.keep_groups(group_filter, whole["seq_rewards"], group_size)
-        groups = {n: v.reshape(len(keep), group_size, *v.shape[1:]) for n, v in whole.items()}
-        kept.append({n: v[keep] for n, v in groups.items()})
-        rejected.append({n: v[~keep] for n, v in groups.items()})
+        keep = hooks.keep_groups(group_filter, whole.seq_rewards, group_size)
+        groups = jax.tree.map(lambda v: v.reshape(len(keep), group_size, *v.shape[1:]), whole)
+        kept.append(jax.tree.map(lambda v: v[keep], groups))
+        rejected.append(jax.tree.map(lambda v: v[~keep], groups))
         num_kept += int(keep.sum())
         if k == 0:
             first_kept = float(keep.mean())
         if num_kept >= len(keep):
             break
     num_groups = len(keep)
-    pieces = kept + rejected
-    batch = {n: np.concatenate([p[n] for p in pieces])[:num_groups].reshape(num_groups * group_size,
-                                                                           *first[n].shape[1:])
-             for n in first}
-    return first, {n: v[rows] for n, v in batch.items()}, {
+    batch = jax.tree.map(lambda *vs: np.concatenate(vs)[:num_groups].reshape(-1, *vs[0].shape[2:]),
+                         *kept, *rejected)
+    return first, jax.tree.map(lambda v: v[rows], batch), {
         "rollout/groups_kept_first_round": first_kept, "rollout/sampling_rounds": float(k + 1),
         "rollout/groups_filled": max(num_groups - num_kept, 0) / num_groups}
 
 
 def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,
-                       verifier: Callable, io: HostIO = SINGLE_HOST) -> tuple[dict[str, np.ndarray], list[str]]:
+                       verifier: Callable, io: HostIO = SINGLE_HOST) -> tuple[Rollout, list[str]]:
     """Samples one response per row of the global `batch`, scores this process's rows (`io.local_rows`), returns
     (rollout, response texts) of those rows."""
     local = batch.rows(io.local_rows(len(batch.answers)))
@@ -156,11 +153,11 @@ def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.A
     return to_rollout(out, local.mask, seq_rewards), texts
 
 
-def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) -> dict[str, float]:
-    lengths = rollout["response_mask"].sum(axis=1)
+def rollout_stats(seq_rewards: np.ndarray, lengths: np.ndarray, correct: float, max_len: int) -> dict[str, float]:
+    """Reward, accuracy and length statistics of a batch: seq_rewards [B], response lengths [B]."""
     return {
-        "rollout/reward_mean": float(rollout["seq_rewards"].mean()),
-        "rollout/accuracy": float((rollout["seq_rewards"] >= correct).mean()),
+        "rollout/reward_mean": float(seq_rewards.mean()),
+        "rollout/accuracy": float((seq_rewards >= correct).mean()),
         "rollout/response_length_mean": float(lengths.mean()),
         "rollout/response_length_max": float(lengths.max()),
         "rollout/response_length_min": float(lengths.min()),
@@ -168,13 +165,13 @@ def rollout_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int) 
     }
 
 
-def whole_batch_stats(rollout: dict[str, np.ndarray], correct: float, max_len: int, rows: slice,
+def whole_batch_stats(rollout: Rollout, correct: float, max_len: int, rows: slice,
                       io: HostIO = SINGLE_HOST) -> tuple[dict[str, float], int]:
     """`rollout_stats` of the whole batch (this process holds `rows` of it; one gather over the processes) and the
     batch's number of real tokens, prompts included."""
-    whole = io.gather({"seq_rewards": rollout["seq_rewards"], "response_mask": rollout["response_mask"],
-                       "num_tokens": rollout["attn_mask"].sum(axis=1)}, rows)
-    return rollout_stats(whole, correct, max_len), int(whole["num_tokens"].sum())
+    whole = io.gather({"seq_rewards": rollout.seq_rewards, "lengths": rollout.response_mask.sum(axis=1),
+                       "num_tokens": rollout.attn_mask.sum(axis=1)}, rows)
+    return rollout_stats(whole["seq_rewards"], whole["lengths"], correct, max_len), int(whole["num_tokens"].sum())
 
 
 def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
@@ -198,11 +195,11 @@ def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifie
         batch = prompt_batch(source, range(start, start + batch_size), tokenizer, max_prompt_len=max_prompt_len)
         rollout, texts = generate_and_score(sampler, params, batch, jax.random.fold_in(rng, start), tokenizer,
                                             verifier, io)
-        row = {"reward": rollout["seq_rewards"], "length": rollout["response_mask"].sum(axis=1),
+        row = {"reward": rollout.seq_rewards, "length": rollout.response_mask.sum(axis=1),
                "single_line": np.array(["\n" not in t.strip() for t in texts])}
         if ref_logprobs is not None:
-            ref = io.fetch(ref_logprobs(io.place_batch(rollout["tokens"]), io.place_batch(rollout["attn_mask"])))
-            row["log_ratio"] = ((rollout["sample_logp"] - ref) * rollout["response_mask"]).sum(axis=1)
+            ref = io.fetch(ref_logprobs(io.place_batch(rollout.tokens), io.place_batch(rollout.attn_mask)))
+            row["log_ratio"] = ((rollout.sample_logp - ref) * rollout.response_mask).sum(axis=1)
         per_row.append(io.gather(row, rows))
     r = {k: np.concatenate([b[k] for b in per_row]) for k in per_row[0]}
     out = {f"{prefix}/pass@1": float((r["reward"] >= correct).mean()),

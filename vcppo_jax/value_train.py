@@ -28,25 +28,26 @@ from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
 from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
-from vcppo_jax.rl import by_minibatch, critic_values
+from vcppo_jax.rl import Rollout, by_minibatch, critic_values
 from vcppo_jax.rollout import generate_and_score, prompt_batch, whole_batch_stats
 from vcppo_jax.sampling import make_sampler
 
 
-def value_targets(rollout: dict, *, gamma: float, eos_only: bool, truncated_fraction: float = 0.0,
-                  truncated_reward: float = -1.0, rng: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """(targets [B, R], weights [B, R]). Monte-Carlo returns on every response token, or (eos_only) the sequence
-    reward on the last response token alone.
+def value_targets(rewards: jax.Array, seq_rewards: jax.Array, mask: jax.Array, *, gamma: float, eos_only: bool,
+                  truncated_fraction: float = 0.0, truncated_reward: float = -1.0, rng: jax.Array | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+    """(targets [B, R], weights [B, R]) from a rollout's token rewards [B, R], sequence rewards [B] and response
+    mask [B, R]: Monte-Carlo returns on every response token, or (eos_only) the sequence reward on the last response
+    token alone.
 
     truncated_fraction (eos_only): each response of at least 2 tokens is, with this probability, treated as cut
     off after a uniformly drawn strict prefix and labelled a failure: its one target is `truncated_reward` at the
     cut (the critic is causal, so the value there sees only the prefix). This is how RLHF pipelines label overlong
     responses, and it makes the reward model pessimistic on every unfinished prefix. Needs `rng`.
     """
-    mask = rollout["response_mask"]
     if eos_only:
         lengths = mask.sum(axis=1).astype(jnp.int32)
-        target_pos, target = jnp.maximum(lengths, 1) - 1, rollout["seq_rewards"]
+        target_pos, target = jnp.maximum(lengths, 1) - 1, seq_rewards
         if truncated_fraction > 0:
             pick_key, cut_key = jax.random.split(rng)
             cut = jnp.floor(jax.random.uniform(cut_key, lengths.shape) * (lengths - 1)).astype(jnp.int32)
@@ -55,7 +56,7 @@ def value_targets(rollout: dict, *, gamma: float, eos_only: bool, truncated_frac
             target = jnp.where(truncated, truncated_reward, target)
         weights = jax.nn.one_hot(target_pos, mask.shape[1], dtype=mask.dtype) * (lengths[:, None] > 0)
         return target[:, None] * weights, weights
-    return gae_lib.monte_carlo_returns(rollout["rewards"], mask, gamma=gamma), mask
+    return gae_lib.monte_carlo_returns(rewards, mask, gamma=gamma), mask
 
 
 def converged(losses_hist: Sequence[float], ev_hist: Sequence[float], *, window: int, rtol: float,
@@ -79,16 +80,17 @@ def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eo
         loss, m = losses.value_loss(values, values, mb["targets"], mb["weights"])
         return loss, {"value/train_loss": loss}
 
-    def step(state, rollout, rng):
+    def step(state, rollout: Rollout, rng):
         # A key derived aside, so the minibatch order stays what it was without truncation.
-        targets, weights = value_targets(rollout, gamma=gamma, eos_only=eos_only, truncated_fraction=truncated_fraction,
+        targets, weights = value_targets(rollout.rewards, rollout.seq_rewards, rollout.response_mask, gamma=gamma,
+                                         eos_only=eos_only, truncated_fraction=truncated_fraction,
                                          truncated_reward=truncated_reward, rng=jax.random.fold_in(rng, 1))
         values = by_minibatch(functools.partial(critic_values, critic, state.params, prompt_len=prompt_len),
-                              num_minibatches, rollout["tokens"], rollout["attn_mask"])
+                              num_minibatches, rollout.tokens, rollout.attn_mask)
         loss, _ = losses.value_loss(values, values, targets, weights)
         metrics = {"value/loss": loss, "value/explained_var": losses.explained_variance(values, targets, weights),
                    "value/mean": (values * weights).sum() / jnp.maximum(weights.sum(), 1.0)}
-        batch = dict(tokens=rollout["tokens"], attn_mask=rollout["attn_mask"], targets=targets, weights=weights)
+        batch = dict(tokens=rollout.tokens, attn_mask=rollout.attn_mask, targets=targets, weights=weights)
         state, m = train_epochs(state, batch, rng, loss_fn, tx, num_epochs=1, num_minibatches=num_minibatches)
         metrics.update(m)
         metrics["value/grad_norm"] = metrics.pop("grad_norm")
