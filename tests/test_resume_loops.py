@@ -226,8 +226,7 @@ def policy_after(config: ml_collections.ConfigDict, step: int):
     rt = rt_lib.make_runtime(config)
     cfg = builders.model_config_from_json(ckpt_lib.read_meta(config.sft_dir)["model_config"], config)
     actor = CausalLM(cfg)
-    abstract = rt_lib.abstract_params(actor)
-    target = rt_lib.with_shardings(abstract, rt.shardings(abstract))
+    target = rt.target(rt_lib.abstract_params(actor))
     params = (ckpt_lib.load_params(config.sft_dir, target, key="params") if step == 0 else
               ckpt_lib.load_params(config.workdir, target, key="actor/params", step=step))
     return rt, actor, params

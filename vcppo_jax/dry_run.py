@@ -51,13 +51,11 @@ def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
 
 
 def _abstract_state(model: nn.Module, tx, rt) -> ModelState:
-    abstract = rt_lib.abstract_model_state(model, tx)
-    return rt_lib.with_shardings(abstract, rt.shardings(abstract))
+    return rt.target(rt_lib.abstract_model_state(model, tx))
 
 
 def _abstract_params(model: nn.Module, rt) -> Any:
-    abstract = rt_lib.abstract_params(model)
-    return rt_lib.with_shardings(abstract, rt.shardings(abstract))
+    return rt.target(rt_lib.abstract_params(model))
 
 
 def _batch(rt, **leaves: tuple[tuple[int, ...], Any]) -> dict[str, jax.ShapeDtypeStruct]:

@@ -68,48 +68,36 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     critic_tx = make_optimizer(config.critic_optim) if hp.has_critic else None
     P, R = config.task.max_prompt_len, config.task.max_response_len
 
-    # ---- abstract state and shardings --------------------------------------------------------------------
-    actor_abs = rt_lib.abstract_model_state(actor, actor_tx)
-    actor_sh = rt.shardings(actor_abs)
+    # ---- the train state: restored, or the SFT policy and the configured critic ---------------------------------
     actor_params_abs = rt_lib.abstract_params(actor)
-    actor_params_target = rt_lib.with_shardings(actor_params_abs, rt.shardings(actor_params_abs))
+    actor_params_target = rt.target(actor_params_abs)
     key = jax.random.PRNGKey(config.seed)
-    replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
-    target = {"actor": rt_lib.model_state_to_dict(rt_lib.with_shardings(actor_abs, actor_sh)),
-              "rng": jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated),
-              "step": jax.ShapeDtypeStruct((), np.int32, sharding=replicated)}
+    layout = {"actor": rt_lib.model_state_to_dict(rt_lib.abstract_model_state(actor, actor_tx)),
+              "rng": jax.ShapeDtypeStruct(key.shape, key.dtype), "step": jax.ShapeDtypeStruct((), np.int32)}
     if hp.has_critic:
-        critic_abs = rt_lib.abstract_model_state(critic, critic_tx)
-        target["critic"] = rt_lib.model_state_to_dict(rt_lib.with_shardings(critic_abs, rt.shardings(critic_abs)),
-                                                      "critic_params")
+        layout["critic"] = rt_lib.model_state_to_dict(rt_lib.abstract_model_state(critic, critic_tx), "critic_params")
     if config.kl_coef > 0:
-        target["ref_params"] = actor_params_target
+        layout["ref_params"] = actor_params_abs
 
-    def init() -> dict:
+    def init(shardings) -> dict:
         policy = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
-        shard = lambda tree, t: jax.device_put(tree, jax.tree.map(lambda x: x.sharding, t))
-        state = {"actor": shard(rt_lib.model_state_to_dict(init_model_state(policy, actor_tx)), target["actor"]),
-                 # Copies: the state is donated to `update`, and device_put would alias `key` / `policy` buffers.
-                 "rng": jax.device_put(jnp.copy(key), replicated),
-                 "step": jax.device_put(np.zeros((), np.int32), replicated)}
+        # Copies: the state is donated to `update`, and device_put would alias `key` / `policy` buffers.
+        state = {"actor": rt_lib.model_state_to_dict(init_model_state(policy, actor_tx)), "rng": jnp.copy(key),
+                 "step": np.zeros((), np.int32)}
         if hp.has_critic:
             if config.critic_init == "actor":
                 critic_params = critic_params_from_actor({"params": policy})["params"]
             else:
-                critic_abs_p = rt_lib.abstract_params(critic)
-                critic_params = ckpt_lib.load_params(config.critic_dir,
-                                                     rt_lib.with_shardings(critic_abs_p, rt.shardings(critic_abs_p)),
+                critic_params = ckpt_lib.load_params(config.critic_dir, rt.target(rt_lib.abstract_params(critic)),
                                                      key="critic_params", hint=CRITIC_HINTS[config.critic_init])
             if config.critic_init_bias:
                 critic_params = shift_value_head(critic_params, config.critic_init_bias)
-            state["critic"] = shard(rt_lib.model_state_to_dict(init_model_state(critic_params, critic_tx),
-                                                               "critic_params"), target["critic"])
+            state["critic"] = rt_lib.model_state_to_dict(init_model_state(critic_params, critic_tx), "critic_params")
         if config.kl_coef > 0:
             state["ref_params"] = jax.tree.map(jnp.copy, policy)
-        return state
+        return jax.device_put(state, shardings)
 
-    ckpt = rt_lib.checkpointer(config)
-    state_d, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
+    ckpt, state_d, meta, start = rt_lib.restore_or_init_state(rt, config, layout, init)
     prov = stage_meta.provenance(config, meta)
     state = state_from_dict(state_d)
     state_sh = jax.tree.map(lambda x: x.sharding, state)

@@ -47,6 +47,10 @@ class Runtime:
     def shardings(self, abstract_boxed):
         return sharding.logical_shardings(abstract_boxed, self.mesh, self.rules)
 
+    def target(self, abstract_boxed):
+        """The unboxed abstract tree, each leaf carrying its sharding on this mesh: a restore / load target."""
+        return with_shardings(abstract_boxed, self.shardings(abstract_boxed))
+
     def context(self):
         """Activates logical activation constraints inside the model while tracing."""
         return sharding.use_mesh(self.mesh, self.rules)
@@ -183,6 +187,23 @@ def configure_console(verbose: bool) -> None:
     logging.getLogger("absl").setLevel(logging.ERROR)
     logging.getLogger().setLevel(logging.WARNING)  # libraries' INFO lines (e.g. JAX probing for a TPU)
     tfds.disable_progress_bar()
+
+
+def restore_or_init_state(rt: Runtime, config: ml_collections.ConfigDict, abstract: dict,
+                          init: Callable[[Any], dict]) -> tuple[ckpt_lib.Checkpointer, dict, dict, int]:
+    """A loop's train state, sharded over the mesh: restored from `config.workdir` when it holds a checkpoint
+    (and `config.resume`), else `init`-ed. Returns (checkpointer, state, meta, start step).
+
+    abstract: the checkpoint's layout, name -> abstract tree (`model_state_to_dict(abstract_model_state(...))`,
+      `abstract_params(...)`, or a `jax.ShapeDtypeStruct`); leaves boxed with logical axis names are sharded by
+      `rt`'s rules, the others (an rng key, a step counter) replicated.
+    init(shardings) -> the fresh state in that layout, placed on `shardings` (called only when nothing is restored).
+    """
+    target = rt.target(abstract)
+    ckpt = checkpointer(config)
+    state, meta, start = restore_or_init(ckpt, config, target,
+                                         lambda: init(jax.tree.map(lambda t: t.sharding, target)))
+    return ckpt, state, meta, start
 
 
 def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDict, target, init: Callable[[], Any]

@@ -65,21 +65,19 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
         cfg, hf_vars = builders.model_config(config, len(tok)), None
     model = CausalLM(cfg)
     tx = make_optimizer(config.optim)
-    abstract = rt_lib.abstract_model_state(model, tx)
-    shardings = rt_lib.unboxed_shardings(abstract, rt.shardings(abstract))
     P, R = config.task.max_prompt_len, config.task.max_response_len
 
-    def init():
+    def init(shardings):
         if hf_vars is not None:
-            return jax.device_put(init_model_state(hf_vars["params"], tx), shardings)
-        fresh = lambda: init_model_state(init_params(model, jax.random.PRNGKey(config.seed))["params"], tx)
-        return jax.jit(fresh, out_shardings=shardings)()
+            return jax.device_put(rt_lib.model_state_to_dict(init_model_state(hf_vars["params"], tx)), shardings)
+        fresh = lambda: rt_lib.model_state_to_dict(  # noqa: E731
+            init_model_state(init_params(model, jax.random.PRNGKey(config.seed))["params"], tx))
+        return jax.jit(fresh, out_shardings=shardings)()  # initialized in place on the devices
 
-    ckpt = rt_lib.checkpointer(config)
-    target = rt_lib.model_state_to_dict(rt_lib.with_shardings(abstract, rt.shardings(abstract)))
-    state, restored_meta, start = rt_lib.restore_or_init(ckpt, config, target,
-                                                         lambda: rt_lib.model_state_to_dict(init()))
+    layout = rt_lib.model_state_to_dict(rt_lib.abstract_model_state(model, tx))
+    ckpt, state, restored_meta, start = rt_lib.restore_or_init_state(rt, config, layout, init)
     state = rt_lib.model_state_from_dict(state)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
 
     loss_fn = sft_loss_fn(model, chunk=config.task.max_response_len)
     with rt.context():

@@ -114,27 +114,20 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     tx = make_optimizer(config.optim)
     P, R = config.task.max_prompt_len, config.task.max_response_len
 
-    actor_abs = rt_lib.abstract_params(actor)
-    actor_target = rt_lib.with_shardings(actor_abs, rt.shardings(actor_abs))
-    policy = ckpt_lib.load_params(config.sft_dir, actor_target, key="params")
-    abstract = rt_lib.abstract_model_state(critic, tx)
-    sh = rt.shardings(abstract)
-    shardings = rt_lib.unboxed_shardings(abstract, sh)
-    critic_abs = rt_lib.abstract_params(critic)
-    critic_target = rt_lib.with_shardings(critic_abs, rt.shardings(critic_abs))
+    policy = ckpt_lib.load_params(config.sft_dir, rt.target(rt_lib.abstract_params(actor)), key="params")
 
-    def init():
+    def init(shardings):
         if config.critic_init == "reward_model":
-            params = ckpt_lib.load_params(config.critic_dir, critic_target, key="critic_params",
-                                          hint="run experiments/train_reward_model.py first")
+            params = ckpt_lib.load_params(config.critic_dir, rt.target(rt_lib.abstract_params(critic)),
+                                          key="critic_params", hint="run experiments/train_reward_model.py first")
         else:
             params = critic_params_from_actor({"params": policy})["params"]
-        return rt_lib.model_state_to_dict(jax.device_put(init_model_state(params, tx), shardings), "critic_params")
+        return jax.device_put(rt_lib.model_state_to_dict(init_model_state(params, tx), "critic_params"), shardings)
 
-    ckpt = rt_lib.checkpointer(config)
-    target = rt_lib.model_state_to_dict(rt_lib.with_shardings(abstract, sh), "critic_params")
-    state, meta, start = rt_lib.restore_or_init(ckpt, config, target, init)
+    layout = rt_lib.model_state_to_dict(rt_lib.abstract_model_state(critic, tx), "critic_params")
+    ckpt, state, meta, start = rt_lib.restore_or_init_state(rt, config, layout, init)
     state = rt_lib.model_state_from_dict(state, "critic_params")
+    shardings = jax.tree.map(lambda x: x.sharding, state)
     history = meta.get("history", {"loss": [], "ev": []})
     prov = stage_meta.provenance(config, meta)
 
