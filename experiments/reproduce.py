@@ -23,11 +23,12 @@ study. At the end `plot_results.make_report` writes the figures and tables to `e
 `<out>/results/`).
 
 Size and runtime (the study, 2 CPU cores): RL runs are 60 steps of 64 responses, with a greedy evaluation every 15.
-Per-step times (2-core machine, other jobs running): SFT ~0.9-1.05 s, value pretraining ~1.4-1.5 s (the reward model
-shares that loop), RL 3.6 (GRPO) to 4.7 s (VC-PPO); ~40 s of compile and setup per run and ~3 s per 64-prompt
+Per-step times (2-core machine, other jobs running): SFT ~0.45 s on batches trimmed to their longest row (the
+default, `pad_to_multiple=1`; ~0.9-1.05 s untrimmed, as the mechanism profiles run), value pretraining ~1.4-1.5 s
+(the reward model shares that loop), RL 3.6 (GRPO) to 4.7 s (VC-PPO); ~40 s of compile and setup per run and ~3 s per 64-prompt
 evaluation. `estimate_seconds` computes an upper bound from these (RL at 4.0 s, critic stages at their step cap) and
-the command prints it, counting only unfinished runs: ~2.4 h for the full study, ~1.6 h for --learning (3 SFTs);
-the persistent compilation cache (`<out>/jax_cache`) serves repeated programs.
+the command prints it, counting only unfinished runs: ~2.4 h for the full study, ~1.4 h for --learning (3 SFTs; it
+ran in 63 min); the persistent compilation cache (`<out>/jax_cache`) serves repeated programs.
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ PROFILES = {
 }
 
 # Runtime model (seconds, 2 CPU cores, default sizes; see the module docstring).
-STEP_S = {"rl": 4.0, "sft": 1.05, "value_pretrain": 1.5, "reward_model": 1.5}
+STEP_S = {"rl": 4.0, "sft": 0.5, "sft_untrimmed": 1.05, "value_pretrain": 1.5, "reward_model": 1.5}
 SETUP_S = 40.0
 EVAL_S = 3.0
 
@@ -292,7 +293,8 @@ def estimate_seconds(run: Run, step_scale: float = 1.0) -> float:
         steps, evals = c.num_steps, _num_evals(c.num_steps, c.eval_every, False)
     else:
         steps, evals = c.max_steps, 0
-    return SETUP_S + step_scale * (steps * STEP_S[c.stage] + evals * EVAL_S)
+    rate = STEP_S["sft_untrimmed" if c.stage == "sft" and not c.pad_to_multiple else c.stage]
+    return SETUP_S + step_scale * (steps * rate + evals * EVAL_S)
 
 
 def _status(run: Run) -> str:
@@ -341,7 +343,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="~11 min version: 1 seed, 4 methods, smaller model/task")
     p.add_argument("--learning", action="store_true",
                    help="does RL learn: the config files' recipe, VC-PPO, GRPO and their shuffled-reward controls, "
-                        "3 seeds each with its own SFT (~1.6 h); writes learning.json and its figure")
+                        "3 seeds each with its own SFT (~1.1 h); writes learning.json and its figure")
     p.add_argument("--mechanism", action="store_true",
                    help="the mechanism study: PPO's length collapse under a biased critic and VC-PPO's fix, 3 seeds "
                         "(~2.5 h); with --quick, its one-seed collapse vs no-collapse contrast (<15 min)")

@@ -191,31 +191,22 @@ def configure_console(verbose: bool) -> None:
 
 def restore_or_init_state(rt: Runtime, config: ml_collections.ConfigDict, abstract: dict,
                           init: Callable[[Any], dict]) -> tuple[ckpt_lib.Checkpointer, dict, dict, int]:
-    """A loop's train state, sharded over the mesh: restored from `config.workdir` when it holds a checkpoint
-    (and `config.resume`), else `init`-ed. Returns (checkpointer, state, meta, start step).
+    """A loop's train state, sharded over the mesh: the latest checkpoint in `config.workdir` when `config.resume`
+    and one exists, else `init`-ed at step 0. Returns (checkpointer, state, meta, start step).
 
     abstract: the checkpoint's layout, name -> abstract tree (`model_state_to_dict(abstract_model_state(...))`,
       `abstract_params(...)`, or a `jax.ShapeDtypeStruct`); leaves boxed with logical axis names are sharded by
       `rt`'s rules, the others (an rng key, a step counter) replicated.
     init(shardings) -> the fresh state in that layout, placed on `shardings` (called only when nothing is restored).
-    """
-    target = rt.target(abstract)
-    ckpt = checkpointer(config)
-    state, meta, start = restore_or_init(ckpt, config, target,
-                                         lambda: init(jax.tree.map(lambda t: t.sharding, target)))
-    return ckpt, state, meta, start
-
-
-def restore_or_init(ckpt: ckpt_lib.Checkpointer, config: ml_collections.ConfigDict, target, init: Callable[[], Any]
-                    ) -> tuple[Any, dict, int]:
-    """(state, meta, step): the latest checkpoint when `config.resume` and one exists, else `init()` at step 0.
-
     With resume=False a workdir that already holds checkpoints is an error: starting over there would mix two runs'
-    steps (and the existing ones are never overwritten)."""
-    if not config.resume and ckpt.latest_step() is not None:
+    steps (and the existing ones are never overwritten).
+    """
+    ckpt = checkpointer(config)
+    target = rt.target(abstract)
+    if ckpt.latest_step() is None:
+        return ckpt, init(jax.tree.map(lambda t: t.sharding, target)), {}, 0
+    if not config.resume:
         raise FileExistsError(f"config.resume=False but {config.workdir} already holds checkpoints (steps "
                               f"{ckpt.all_steps()}); use a new workdir, or resume=True to continue that run")
-    if config.resume and ckpt.latest_step() is not None:
-        state, meta, step = ckpt.restore(target)
-        return state, meta, step
-    return init(), {}, 0
+    state, meta, step = ckpt.restore(target)
+    return ckpt, state, meta, step
