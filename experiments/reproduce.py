@@ -25,10 +25,10 @@ study. At the end `plot_results.make_report` writes the figures and tables to `e
 Size and runtime (the study, 2 CPU cores): RL runs are 60 steps of 64 responses, with a greedy evaluation every 15.
 Per-step times (2-core machine, other jobs running): SFT ~0.45 s on batches trimmed to their longest row (the
 default, `pad_to_multiple=1`; ~0.9-1.05 s untrimmed, as the mechanism profiles run), value pretraining ~1.4-1.5 s
-(the reward model shares that loop), RL 3.6 (GRPO) to 4.7 s (VC-PPO); ~40 s of compile and setup per run and ~3 s per 64-prompt
-evaluation. `estimate_seconds` computes an upper bound from these (RL at 4.0 s, critic stages at their step cap) and
-the command prints it, counting only unfinished runs: ~2.4 h for the full study, ~1.4 h for --learning (3 SFTs; it
-ran in 63 min); the persistent compilation cache (`<out>/jax_cache`) serves repeated programs.
+(the reward model shares that loop), RL 3.6 (GRPO) to 4.7 s (VC-PPO); ~40 s of compile and setup per run and ~3 s
+per 64-prompt evaluation. `estimate_seconds` computes an upper bound from these (RL at 4.0 s, critic stages at their
+step cap) and the command prints it, counting only unfinished runs: ~2.4 h for the full study, ~1.4 h for --learning
+(3 SFTs; it ran in 63 min); the persistent compilation cache (`<out>/jax_cache`) serves repeated programs.
 """
 
 from __future__ import annotations

@@ -187,7 +187,8 @@ def as_batch(ro):
     """A rollout as the jitted experience functions get it (fixed keys and dtypes: one compile per hparams)."""
     return rl.Rollout(tokens=jnp.asarray(ro.tokens, jnp.int32), attn_mask=jnp.asarray(ro.attn_mask, bool),
                       response_mask=jnp.asarray(ro.response_mask, jnp.float32),
-                      rewards=jnp.asarray(ro.rewards, jnp.float32), seq_rewards=jnp.asarray(ro.seq_rewards, jnp.float32))
+                      rewards=jnp.asarray(ro.rewards, jnp.float32),
+                      seq_rewards=jnp.asarray(ro.seq_rewards, jnp.float32))
 
 
 def experience(ro, **fields):

@@ -63,9 +63,9 @@ def train_epochs(state: ModelState, batch: Any, rng: jax.Array, loss_fn, tx: opt
                  num_epochs: int, num_minibatches: int) -> tuple[ModelState, dict]:
     """`num_epochs` passes of shuffled minibatch steps of `loss_fn(params, minibatch) -> (loss, metrics)`.
 
-    batch: a pytree (a dict, `rl.Experience`) of leaves with a leading batch axis divisible by `num_minibatches`. A step whose loss or gradient is not
-    finite is skipped (params and optimizer state unchanged) and counted in 'train/nonfinite'. Returns the new state
-    and metrics averaged over all steps ('train/nonfinite' summed).
+    batch: a pytree (a dict, an `rl.Experience`) of leaves with a leading batch axis divisible by `num_minibatches`.
+    A step whose loss or gradient is not finite is skipped (params and optimizer state unchanged) and counted in
+    'train/nonfinite'. Returns the new state and metrics averaged over all steps ('train/nonfinite' summed).
     """
     size = jax.tree.leaves(batch)[0].shape[0]
     mb_size = size // num_minibatches
