@@ -252,8 +252,8 @@ def test_sharded_rl_step_matches_single_device(runs):
 
     rt = rt_lib.make_runtime(config)
     replicated = jax.sharding.NamedSharding(rt.mesh, jax.sharding.PartitionSpec())
-    shardings = lambda model, tx: rt_lib.unboxed_shardings(  # noqa: E731
-        rt_lib.abstract_model_state(model, tx), rt.shardings(rt_lib.abstract_model_state(model, tx)))
+    shardings = lambda model, tx: jax.tree.map(  # noqa: E731
+        lambda t: t.sharding, rt.target(rt_lib.abstract_model_state(model, tx)))
     state_sh = rl.RLState(actor=shardings(actor, actor_tx), critic=shardings(critic, critic_tx), ref_params=None,
                           rng=replicated, step=replicated)
     with rt.context():

@@ -99,11 +99,6 @@ def with_shardings(abstract_boxed, shardings) -> Any:
                         shardings)
 
 
-def unboxed_shardings(abstract_boxed, shardings) -> Any:
-    """The sharding tree in the same structure as the unboxed values (for jit in/out_shardings)."""
-    return jax.tree.map(lambda s: s.sharding, with_shardings(abstract_boxed, shardings))
-
-
 def model_state_to_dict(state: ModelState, params_key: str = "params") -> dict:
     return {params_key: state.params, "opt_state": state.opt_state, "step": state.step}
 
