@@ -133,15 +133,18 @@ PROFILES = {
     }),
     # Where reward decay bites (README, "Long responses"): 5-9 two-digit terms, chains of thought of 130-320 tokens
     # (0.95^T < 0.002), and an SFT policy that keeps its chain of thought (30% direct answers throughout, no late
-    # phase). One seed, 30 RL steps: PPO (0.95/0.95) and VC-PPO (0.95/1.0) from the pessimistic critic (value-
-    # pretrained - 2), VC-PPO, and PPO from the calibrated critic. Value pretraining starts from the actor (no reward
-    # model). step_scale 4: RL steps here took 4-6x the default's on a shared machine (README).
-    "mechanism_long": Profile(seeds=1, methods=("ppo_bias-2", "vcppo_bias-2", "vcppo", "vcppo_no_dgae"),
+    # phase). 450 SFT steps left this policy at 0/64 greedy (README), so it trains for 3000 (trimmed batches).
+    # 3 seeds, 40 RL steps: PPO (0.95/0.95) and VC-PPO (0.95/1.0) from the pessimistic critic (value-pretrained - 2),
+    # VC-PPO, and PPO from the calibrated critic. Value pretraining starts from the actor (no reward model).
+    # step_scale 4: RL steps here took 4-6x the default's on a shared 2-core machine; it ran on a GPU (README).
+    "mechanism_long": Profile(seeds=3, methods=("ppo_bias-2", "vcppo_bias-2", "vcppo", "vcppo_no_dgae"),
                               report="mechanism", step_scale=4.0, fields={
         "common": {"task.knobs.min_terms": 5, "task.knobs.max_terms": 9, "task.max_prompt_len": 32,
                    "task.max_response_len": 336},
-        "sft": {**SFT_450, "late_steps": 0},
-        "rl": {"num_steps": 30, "eval_every": 10, "save_every": 10},
+        # pad_to_multiple 32: at most 12 batch shapes (each one a compile; 1 would give ~100 here).
+        "sft": {"num_steps": 3000, "optim.decay_steps": 2980, "late_steps": 0, "eval_every": 500,
+                "save_every": 500, "pad_to_multiple": 32},
+        "rl": {"num_steps": 40, "eval_every": 10, "save_every": 20},
     }),
     # The config files' model, task and batch sizes (where the per-step times were measured), 60 RL steps.
     "full": Profile(seeds=3, methods=("ppo", "vcppo", "vcppo_no_vpt", "vcppo_no_dgae", "grpo", "vcppo_la0.9",
@@ -258,6 +261,8 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
                                          "study first")
                 elif stage not in stage_cfgs and workdir not in planned:
                     sc = stages.derived_config(c, stage, workdir)
+                    if stage == "sft" and profile.shared_sft:
+                        sc.seed = 0  # the one shared SFT policy is seed 0's, whichever seeds this plan holds
                     _apply(sc, profile.fields.get("sft" if stage == "sft" else "value", {}))
                     _apply(sc, profile.fields.get(stage, {}))
                     if stage == "value_pretrain" and sc.critic_init == "reward_model":
@@ -268,7 +273,7 @@ def build_plan(out: str | pathlib.Path, seeds: Sequence[int], methods: Sequence[
             if stage in stage_cfgs:
                 sc = stage_cfgs[stage]
                 planned.add(sc.workdir)
-                plan.append(Run(stage, seed, sc, tuple(w for _, w in stage_meta.prerequisites(sc))))
+                plan.append(Run(stage, sc.seed, sc, tuple(w for _, w in stage_meta.prerequisites(sc))))
         plan += [Run(m, seed, c, tuple(w for _, w in stage_meta.prerequisites(c))) for m, c in zip(methods, rl_runs)]
     return plan
 
@@ -339,7 +344,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None,
                    help="root of the study's runs (default runs/reproduce; --learning: runs/learning)")
-    p.add_argument("--seeds", type=int, default=None, help="number of seeds, 0..N-1 (default 3; --quick 1)")
+    p.add_argument("--seeds", default=None,
+                   help="N: seeds 0..N-1 (default: the profile's, 3; --quick 1); or a comma list, e.g. 1,2 or 2, "
+                        "(seed 2 alone). The shared SFT policy is always trained with seed 0, by whichever "
+                        "command reaches it first: let it finish before starting other seeds in parallel")
     p.add_argument("--quick", action="store_true", help="~11 min version: 1 seed, 4 methods, smaller model/task")
     p.add_argument("--learning", action="store_true",
                    help="does RL learn: the config files' recipe, VC-PPO, GRPO and their shuffled-reward controls, "
@@ -378,9 +386,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.out = ("runs/learning" if args.learning else "runs/mechanism_quick" if args.mechanism and args.quick
                     else "runs/mechanism_long" if args.long else "runs/mechanism" if args.mechanism
                     else "runs/reproduce")
-    if args.seeds is not None and args.seeds < 1:
-        p.error(f"--seeds={args.seeds} must be >= 1")
+    if args.seeds is not None:
+        try:
+            args.seeds = parse_seeds(args.seeds)
+        except ValueError as e:
+            p.error(str(e))
     return args
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'3' -> [0, 1, 2] (a count); '1,2' -> [1, 2] and '2,' -> [2] (a list)."""
+    items = [t.strip() for t in text.split(",") if t.strip()] if "," in text else [text.strip()]
+    if not items or not all(t.isdigit() for t in items) or "," not in text and int(items[0]) < 1:
+        raise ValueError(f"--seeds={text!r}: expected a count N >= 1 or a comma list of seeds >= 0 (e.g. 1,2 or 2,)")
+    return sorted({int(t) for t in items}) if "," in text else list(range(int(items[0])))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -392,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     profile = PROFILES[name]
     out = pathlib.Path(args.out).resolve()
     methods = [m for m in args.only.split(",") if m] if args.only else list(profile.methods)
-    seeds = list(range(args.seeds if args.seeds is not None else profile.seeds))
+    seeds = args.seeds if args.seeds is not None else list(range(profile.seeds))
     try:
         plan = build_plan(out, seeds, methods, profile, args.rl_set, args.stages_from)
         check_meshes(plan)

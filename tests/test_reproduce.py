@@ -246,7 +246,22 @@ def test_long_mechanism_profile_reaches_every_stage(tmp_path):
     by = {r.name: r.config for r in plan}
     assert by["sft"].late_steps == 0 and by["value_pretrain"].critic_init == "actor"
     assert by["ppo_bias-2"].critic_init_bias == by["vcppo_bias-2"].critic_init_bias == -2.0
-    assert {by[m].num_steps for m in profile.methods} == {30}
+    assert {by[m].num_steps for m in profile.methods} == {40}
+    assert by["sft"].num_steps == 3000 and by["sft"].pad_to_multiple == 32
+
+
+def test_seeds_flag_takes_a_count_or_a_list_and_the_shared_sft_is_seed_0s(tmp_path):
+    assert reproduce.parse_args(["--seeds", "3"]).seeds == [0, 1, 2]
+    assert reproduce.parse_args(["--seeds", "2,1"]).seeds == [1, 2]
+    assert reproduce.parse_args(["--seeds", "2,"]).seeds == [2]
+    for bad in ("0", "x", ",", "-1,2"):
+        with pytest.raises(SystemExit):
+            reproduce.parse_args(["--seeds", bad])
+    profile = reproduce.PROFILES["mechanism_quick"]
+    plan = reproduce.build_plan(tmp_path, [2], list(profile.methods), profile)
+    by = {r.name: r for r in plan}
+    assert by["sft"].config.seed == by["sft"].seed == 0 and by["sft"].workdir == str(tmp_path.resolve() / "sft")
+    assert by["value_pretrain"].config.seed == by["vcppo"].config.seed == 2
 
 
 def test_first_sustained_step_is_when_the_warning_rule_would_fire():
