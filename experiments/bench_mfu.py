@@ -83,6 +83,7 @@ def main() -> None:
     import numpy as np  # noqa: PLC0415
     import optax  # noqa: PLC0415
 
+    from bench_rl_step import bench_hparams  # noqa: PLC0415 (the update both benchmarks time)
     from vcppo_jax import rl  # noqa: PLC0415
     from vcppo_jax.models import CausalLM, ModelConfig, ValueModel, critic_params_from_actor, init_params  # noqa
     from vcppo_jax.optim import init_model_state  # noqa: PLC0415
@@ -110,14 +111,8 @@ def main() -> None:
     print(header + "\n|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|", flush=True)
     for algo in args.algos.split(","):
         has_critic = algo == "vcppo"
-        hp = rl.RLHparams(
-            advantage="gae" if has_critic else "group", prompt_len=pl, group_size=4, gamma=1.0,
-            lambda_actor=0.95 if has_critic else 1.0, lambda_critic=1.0, adaptive_lambda=False,
-            adaptive_lambda_alpha=0.05, whiten_advantages=True, grpo_normalize_std=True, clip_low=0.2, clip_high=0.2,
-            dual_clip=None, value_clip=None, loss_agg="token-mean", kl_coef=0.0, kl_estimator="k3",
-            kl_in_reward=False, entropy_coef=0.0, nll_coef=0.0, num_epochs=args.epochs,
-            num_minibatches=args.minibatches, logprob_chunk=min(512, r), temperature=1.0, diag_buckets=16,
-            diag_early_tokens=16)
+        hp = bench_hparams("gae" if has_critic else "group", prompt_len=pl, group_size=4, num_epochs=args.epochs,
+                           num_minibatches=args.minibatches, logprob_chunk=min(512, r))
         critic = ValueModel(cfg) if has_critic else None
         critic_state = (init_model_state(critic_params_from_actor({"params": jax.tree.map(jnp.copy, params)})["params"], tx)
                         if has_critic else None)

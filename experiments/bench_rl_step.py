@@ -51,6 +51,21 @@ NUM_MINIBATCHES = 2
 LR, GRAD_CLIP = 1e-6, 1.0
 
 
+def bench_hparams(advantage: str, *, prompt_len: int, group_size: int, num_epochs: int, num_minibatches: int,
+                  logprob_chunk: int):
+    """The RL update both benchmarks time (this one and bench_mfu): whitened advantages, symmetric clip 0.2,
+    token-mean, no KL / entropy / NLL terms; lambda_actor 0.95 with a critic, 1.0 without."""
+    from vcppo_jax import rl  # noqa: PLC0415 (after the thread settings)
+
+    return rl.RLHparams(
+        advantage=advantage, prompt_len=prompt_len, group_size=group_size, gamma=1.0,
+        lambda_actor=0.95 if advantage == "gae" else 1.0, lambda_critic=1.0, adaptive_lambda=False,
+        adaptive_lambda_alpha=0.05, whiten_advantages=True, grpo_normalize_std=True, clip_low=0.2, clip_high=0.2,
+        dual_clip=None, value_clip=None, loss_agg="token-mean", kl_coef=0.0, kl_estimator="k3", kl_in_reward=False,
+        entropy_coef=0.0, nll_coef=0.0, num_epochs=num_epochs, num_minibatches=num_minibatches,
+        logprob_chunk=logprob_chunk, temperature=1.0, diag_buckets=16, diag_early_tokens=16)
+
+
 def _rss_mib() -> float:
     with open("/proc/self/status") as f:
         for line in f:
@@ -122,13 +137,8 @@ def run_ours(o: dict) -> dict:
     advantage = {"grpo": "group", "vcppo": "gae"}[algo]
     has_critic = advantage == "gae"
     critic = ValueModel(cfg) if has_critic else None
-    hp = rl.RLHparams(
-        advantage=advantage, prompt_len=p, group_size=o["group"], gamma=1.0, lambda_actor=0.95 if has_critic else 1.0,
-        lambda_critic=1.0, adaptive_lambda=False, adaptive_lambda_alpha=0.05, whiten_advantages=True,
-        grpo_normalize_std=True, clip_low=0.2, clip_high=0.2, dual_clip=None, value_clip=None,
-        loss_agg="token-mean", kl_coef=0.0, kl_estimator="k3", kl_in_reward=False, entropy_coef=0.0, nll_coef=0.0,
-        num_epochs=1, num_minibatches=NUM_MINIBATCHES, logprob_chunk=min(128, r), temperature=1.0, diag_buckets=16,
-        diag_early_tokens=16)
+    hp = bench_hparams(advantage, prompt_len=p, group_size=o["group"], num_epochs=1, num_minibatches=NUM_MINIBATCHES,
+                       logprob_chunk=min(128, r))
     tx = optax.chain(optax.clip_by_global_norm(GRAD_CLIP), optax.adamw(LR))
     params = jax.device_put(variables["params"])
     critic_state = init_model_state(critic_params_from_actor({"params": params})["params"], tx) if has_critic \

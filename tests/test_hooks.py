@@ -69,7 +69,8 @@ def test_sample_filtered_collects_kept_groups_in_sampling_order():
     assert rows_of(train) == [(0, 0), (0, 1), (0, 6), (0, 7), (1, 2), (1, 3), (2, 0), (2, 1)]
     np.testing.assert_array_equal(train.seq_rewards, MIXED * 4)
     np.testing.assert_array_equal(train.rewards, place_rewards(train.seq_rewards, train.response_mask))
-    assert m == {"rollout/groups_kept_first_round": 0.5, "rollout/sampling_rounds": 3.0, "rollout/groups_filled": 0.0}
+    assert m == {"rollout/groups_kept_first_round": 0.5, "rollout/sampling_rounds": 3.0, "rollout/groups_filled": 0.0,
+                 "rollout/sampled_tokens": 3 * 8 * 3.0}  # every round's real tokens: the step's throughput
 
 
 def test_sample_filtered_fills_a_short_batch_with_rejected_groups_and_keeps_its_rows():
@@ -77,6 +78,7 @@ def test_sample_filtered_fills_a_short_batch_with_rejected_groups_and_keeps_its_
     # 3 kept groups in 2 rounds; the 4th slot takes the first rejected group (round 0, group 1).
     assert rows_of(train) == [(0, 0), (0, 1), (0, 6), (0, 7), (1, 2), (1, 3), (0, 2), (0, 3)]
     assert m["rollout/sampling_rounds"] == 2.0 and m["rollout/groups_filled"] == 0.25
+    assert m["rollout/sampled_tokens"] == 2 * 8 * 3.0
     _, local, _ = sample_filtered(fake_round, "mixed", 2, 2, slice(4, 8))  # a process holding rows 4..7
     assert rows_of(local) == rows_of(train)[4:]
 

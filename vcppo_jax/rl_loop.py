@@ -167,11 +167,9 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     rollout, train_rollout, m_host = sample_filtered(
                         functools.partial(sample_round, step), config.group_filter, config.group_size,
                         config.max_sampling_rounds, rows, rt)
-                    if config.reward_shaping != "none":
-                        train_rollout = with_seq_rewards(train_rollout, hooks.shape_rewards(
-                            config.reward_shaping, train_rollout.seq_rewards,
-                            train_rollout.response_mask.sum(axis=1), max_len=R, buffer=config.overlong_buffer,
-                            penalty=config.overlong_penalty))
+                    train_rollout = with_seq_rewards(train_rollout, hooks.shape_rewards(
+                        config.reward_shaping, train_rollout.seq_rewards, train_rollout.response_mask.sum(axis=1),
+                        max_len=R, buffer=config.overlong_buffer, penalty=config.overlong_penalty))
                     if config.shuffle_rewards:
                         train_rollout = shuffle_rewards(train_rollout, np.random.default_rng([config.seed, step]),
                                                         rows, rt)
@@ -181,8 +179,9 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                     state, m_up = update(state, experience)
                     m, actor_updates = rt.fetch(({**m_exp, **m_up}, state.actor.step))
                 logger.count_nonfinite(step, float(m["train/nonfinite"]))
-                m = {k: float(v) for k, v in {**m, **m_host}.items()}
                 stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, R, rows, rt)
+                num_tokens = int(m_host.pop("rollout/sampled_tokens", num_tokens))  # dynamic sampling: every round's
+                m = {k: float(v) for k, v in {**m, **m_host}.items()}
                 m.update(stats)
                 # The lr of the iteration's last optimizer update (the schedule counts minibatch updates).
                 m["policy/lr"] = float(learning_rate(config.actor_optim, max(int(actor_updates) - 1, 0)))

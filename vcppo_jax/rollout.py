@@ -115,16 +115,18 @@ def sample_filtered(sample_round: Callable[[int], Rollout], group_filter: str, g
     the step's usual one). Rounds run until the kept groups fill a batch or `max_rounds` were sampled; a batch still
     short is filled with rejected groups in sampling order (the shapes stay fixed, nothing recompiles).
     Returns (round 0's rollout, the training rollout, metrics), rollouts as this process's `rows`; with
-    group_filter 'none' both are round 0's.
+    group_filter 'none' both are round 0's and the metrics are empty; otherwise they hold `rollout/sampled_tokens`,
+    the real tokens (prompts included) of every round sampled, which the step's throughput counts.
     """
     first = sample_round(0)
     if group_filter == "none":
         return first, first, {}
-    kept, rejected, num_kept, local = [], [], 0, first
+    kept, rejected, num_kept, local, sampled_tokens = [], [], 0, first, 0
     for k in range(max_rounds):
         if k:
             local = sample_round(k)
         whole = io.gather(local, rows)  # every process takes the same decision
+        sampled_tokens += int(whole.attn_mask.sum())
         keep = hooks.keep_groups(group_filter, whole.seq_rewards, group_size)
         groups = jax.tree.map(lambda v: v.reshape(len(keep), group_size, *v.shape[1:]), whole)
         kept.append(jax.tree.map(lambda v: v[keep], groups))
@@ -139,7 +141,8 @@ def sample_filtered(sample_round: Callable[[int], Rollout], group_filter: str, g
                          *kept, *rejected)
     return first, jax.tree.map(lambda v: v[rows], batch), {
         "rollout/groups_kept_first_round": first_kept, "rollout/sampling_rounds": float(k + 1),
-        "rollout/groups_filled": max(num_groups - num_kept, 0) / num_groups}
+        "rollout/groups_filled": max(num_groups - num_kept, 0) / num_groups,
+        "rollout/sampled_tokens": float(sampled_tokens)}
 
 
 def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.Array, tokenizer,

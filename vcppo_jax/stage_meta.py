@@ -25,10 +25,19 @@ ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_r
 _QKV_BIAS_OF_OLD_MODEL_TYPES = {"qwen2": True, "llama": False}
 
 
+def stage_done(workdir: str) -> bool:
+    """Whether `workdir` holds a finished run (its checkpoint meta says `done`)."""
+    return _done(ckpt_lib.read_meta(workdir))
+
+
+def _done(meta: dict | None) -> bool:
+    return bool(meta and meta.get("done"))
+
+
 def finished_meta(workdir: str, stage: str) -> dict:
     """The meta of the finished `stage` in `workdir`; FileNotFoundError naming the command that makes it."""
     meta = ckpt_lib.read_meta(workdir)
-    if not meta or not meta.get("done"):
+    if not _done(meta):
         raise FileNotFoundError(f"no finished {stage} checkpoint in {workdir!r}; run "
                                 f"`python {ENTRYPOINTS[stage]} --config=configs/{stage}.py` first (or point the "
                                 "config at an existing run)")

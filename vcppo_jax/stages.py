@@ -29,7 +29,7 @@ from vcppo_jax import runtime as rt_lib
 from vcppo_jax.dry_run import plan as dry_run_plan
 from vcppo_jax.rl_loop import run_rl
 from vcppo_jax.sft import run_sft
-from vcppo_jax.stage_meta import finished_meta, prerequisites, provenance_of, run_id, settings
+from vcppo_jax.stage_meta import finished_meta, prerequisites, provenance_of, run_id, settings, stage_done
 from vcppo_jax.value_train import run_value_training
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -43,11 +43,6 @@ def load_config_file(name: str) -> ml_collections.ConfigDict:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.get_config()
-
-
-def stage_done(workdir: str) -> bool:
-    meta = ckpt_lib.read_meta(workdir)
-    return bool(meta and meta.get("done"))
 
 
 def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) -> ml_collections.ConfigDict:
