@@ -5,7 +5,7 @@
   python experiments/reproduce.py --learning            # does RL learn: VC-PPO, GRPO, shuffled-reward controls
   python experiments/reproduce.py --mechanism           # PPO's length collapse under a biased critic: 12 arms x 3 seeds
   python experiments/reproduce.py --mechanism --quick   # its collapse vs no-collapse contrast, 1 seed (<15 min)
-  python experiments/reproduce.py --mechanism --long    # the contrast on 130-320-token responses, 1 seed (~1.3 h)
+  python experiments/reproduce.py --mechanism --long    # the contrast on 130-320-token responses, 3 seeds (GPU: 8 min)
   python experiments/reproduce.py --only ppo,vcppo --seeds 1 --out runs/mine
   python experiments/reproduce.py --only ppo,vcppo --set actor_optim.lr=1e-4 --stages-from runs/reproduce \
       --out runs/reproduce_lr1e-4 --results experiments/results/lr1e-4   # a variant: other RL fields, same stages
@@ -358,7 +358,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="the mechanism study: PPO's length collapse under a biased critic and VC-PPO's fix, 3 seeds "
                         "(~2.5 h); with --quick, its one-seed collapse vs no-collapse contrast (<15 min)")
     p.add_argument("--long", action="store_true",
-                   help="with --mechanism: its contrast on 130-320-token chains of thought, 1 seed (see README)")
+                   help="with --mechanism: its contrast on 130-320-token chains of thought, 3 seeds (hours on 2 CPU "
+                        "cores; experiments/mechanism_long_gpu.sh runs it on one GPU in minutes)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # seconds-sized wiring check
     p.add_argument("--only", default="", help=f"comma-separated methods out of {','.join(RECIPES)}")
     p.add_argument("--results", default=None,
