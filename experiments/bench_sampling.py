@@ -10,8 +10,12 @@ Run (from the repo root):
   .venv/bin/python experiments/bench_sampling.py             # batch 16, prompt 64, 128 new tokens, d=256 x 4 layers
 
 Prints one table: median wall time of a generate call after a warmup (ours: the warmup is the jit compile, shown
-separately), generated tokens/s (batch * new tokens / time) and the speed ratio ours / HF. For greedy it also
-checks that both produce the same tokens (logits parity, up to float near-ties). --threads (default 1) caps
+separately), generated tokens/s (batch * new tokens / time) and the speed ratio ours / HF, for our sampler with its
+KV cache in the compute dtype (fp32) and in bfloat16 (`kv_cache_dtype`). For greedy it also checks that both produce
+the same tokens (logits parity, up to float near-ties). Then the decode floor: the time of only the weight matmuls
+of the same number of one-token steps (every kernel of the model times a [batch, in] activation, jitted in one loop;
+no attention, norms or sampling), i.e. what reading the weights once per token costs here. HF time / floor bounds
+the speed-up any implementation can have over HF at this size. --threads (default 1) caps
 torch's and XLA's intra-op threads: on a shared 2-core machine torch's 2-thread OpenMP pool was 5-10x slower
 than 1 thread for these tiny matmuls.
 """
@@ -28,6 +32,7 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 import transformers as tr
@@ -86,6 +91,23 @@ def median_time(fn: Callable[[], object], repeats: int) -> tuple[float, float, o
     return first, statistics.median(times), out
 
 
+def matmul_floor(params, batch: int, steps: int, repeats: int) -> float:
+    """Median seconds of `steps` rounds of [batch, in] @ [in, out] over every kernel of the model (the embedding
+    is a gather, so it is left out; a 3-d kernel is split [dim 0, rest], which reads the same weights with the
+    same FLOPs as its real split), in one jitted fori_loop: a lower bound on any decode loop's time."""
+    kernels = [x.reshape(-1, x.shape[-1]) if x.ndim == 2 else x.reshape(x.shape[0], -1) for path, x in
+               jax.tree_util.tree_flatten_with_path(params)[0] if "kernel" in jax.tree_util.keystr(path)]
+    xs = [jnp.ones((batch, w.shape[0]), w.dtype) for w in kernels]
+
+    @jax.jit
+    def run(kernels, xs):
+        def step(i, acc):  # the activations depend on i, so nothing is hoisted out of the loop
+            return acc + sum(jnp.sum((x * i) @ w) for x, w in zip(xs, kernels))
+        return jax.lax.fori_loop(0, steps, step, jnp.zeros((), jnp.float32))
+
+    return median_time(lambda: jax.block_until_ready(run(kernels, xs)), repeats)[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for flag in ("batch", "prompt-len", "new-tokens", "hidden", "layers", "vocab", "repeats"):
@@ -124,19 +146,19 @@ def main() -> None:
           f"L={cfg.num_layers} heads={cfg.num_heads}/{cfg.num_kv_heads} vocab={cfg.vocab_size} "
           f"({cfg.num_params / 1e6:.2f}M params) | "
           f"batch {b} x prompt {p} + {r} new tokens, {opts['repeats']} timed calls after a warmup")
-    header = (f"| {'mode':<7} | {'implementation':<22} | {'first call s':>12} | {'median s':>9} | {'tokens/s':>9} "
+    header = (f"| {'mode':<7} | {'implementation':<24} | {'first call s':>12} | {'median s':>9} | {'tokens/s':>9} "
               f"| {'ours / HF':>9} |")
     print(header)
     print("|" + "|".join("-" * len(c) for c in header.split("|")[1:-1]) + "|")
-    notes = []
+    notes, hf_times = [], {}
     for mode, (temperature, top_k, top_p) in MODES.items():
-        sampler = make_sampler(model, max_new_tokens=r, eos_id=None, pad_id=PAD_ID, temperature=temperature,
-                               top_k=top_k, top_p=top_p)
         calls = iter(range(1 << 30))  # a fresh key per call, as in a rollout loop
 
-        def ours() -> np.ndarray:
-            out = sampler(params, tokens, mask, jax.random.key(next(calls)))
-            return np.asarray(jax.block_until_ready(out.tokens))
+        def ours(kv_cache_dtype: str) -> Callable[[], np.ndarray]:
+            sampler = make_sampler(model, max_new_tokens=r, eos_id=None, pad_id=PAD_ID, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, kv_cache_dtype=kv_cache_dtype)
+            return lambda: np.asarray(jax.block_until_ready(sampler(params, tokens, mask,
+                                                                    jax.random.key(next(calls))).tokens))
 
         sampling = dict(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p) if temperature else dict(
             do_sample=False)
@@ -147,18 +169,26 @@ def main() -> None:
                                     eos_token_id=None, pad_token_id=PAD_ID, **sampling)
             return out.cpu().numpy()
 
-        o_first, o_med, o_tokens = median_time(ours, opts["repeats"])
+        o_first, o_med, o_tokens = median_time(ours("compute"), opts["repeats"])
+        bf_first, bf_med, bf_tokens = median_time(ours("bfloat16"), opts["repeats"])
         h_first, h_med, h_tokens = median_time(hf, opts["repeats"])
-        assert o_tokens.shape == h_tokens.shape == (b, p + r), (o_tokens.shape, h_tokens.shape)
+        assert o_tokens.shape == bf_tokens.shape == h_tokens.shape == (b, p + r), (o_tokens.shape, h_tokens.shape)
         rate = lambda s: b * r / s  # noqa: E731
-        print(f"| {mode:<7} | {'vcppo_jax (jit, XLA)':<22} | {o_first:>12.2f} | {o_med:>9.3f} | {rate(o_med):>9.0f} "
+        print(f"| {mode:<7} | {'vcppo_jax (jit, XLA)':<24} | {o_first:>12.2f} | {o_med:>9.3f} | {rate(o_med):>9.0f} "
               f"| {h_med / o_med:>8.2f}x |")
-        print(f"| {mode:<7} | {'transformers generate':<22} | {h_first:>12.2f} | {h_med:>9.3f} | {rate(h_med):>9.0f} "
+        print(f"| {mode:<7} | {'vcppo_jax, bf16 KV cache':<24} | {bf_first:>12.2f} | {bf_med:>9.3f} "
+              f"| {rate(bf_med):>9.0f} | {h_med / bf_med:>8.2f}x |")
+        print(f"| {mode:<7} | {'transformers generate':<24} | {h_first:>12.2f} | {h_med:>9.3f} | {rate(h_med):>9.0f} "
               f"| {'1.00x':>9} |")
+        hf_times[mode] = h_med
         if temperature == 0:
             same = float(np.mean(o_tokens[:, p:] == h_tokens[:, p:]))
             rows = int(np.sum(np.all(o_tokens[:, p:] == h_tokens[:, p:], axis=1)))
             notes.append(f"greedy: ours == HF on {same:.1%} of generated tokens ({rows}/{b} rows identical)")
+    floor = matmul_floor(params, b, r, opts["repeats"])
+    notes.append(f"decode floor (the weight matmuls of {r} one-token steps at batch {b}, nothing else): {floor:.3f} s "
+                 f"= {rate(floor):.0f} tokens/s; HF / floor: greedy {hf_times['greedy'] / floor:.2f}x, sampled "
+                 f"{hf_times['sampled'] / floor:.2f}x (no sampler can be faster than HF by more than that here)")
     notes.append("first call: ours includes the jit compile; 'ours / HF' = HF median time / our median time")
     for note in notes:
         print(note)

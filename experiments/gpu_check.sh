@@ -36,7 +36,7 @@ part() {  # part <seconds> <title> <command...>
   part 120 "bench_attention" "$PY" experiments/bench_attention.py --lengths=1024,4096,8192 --time-up-to=4096 --iters=3
   part 120 "bench_mfu" "$PY" experiments/bench_mfu.py --iters=3
   part 150 "bench_rl_step (VC-PPO, by-length attention)" "$PY" experiments/bench_rl_step.py --no-peers \
-    --lengths=1024,4096,8192 --iters=1 --threads=0
+    --lengths=1024,4096,8192 --iters=1 --threads=0 --memory-cap-gib=0
   part 60 "bench_sampling" "$PY" experiments/bench_sampling.py --batch 8 --prompt-len 64 --new-tokens 256 \
     --hidden 512 --layers 8 --vocab 32000 --threads=0
 } 2>&1 | tee "$LOG"

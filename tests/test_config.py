@@ -60,6 +60,7 @@ def test_paper_settings():
         ("model.num_kv_heads", 3, r"num_kv_heads=3 .*must divide"),
         ("mesh.data", 0, r"mesh.data"),
         ("sampling.top_p", 0.0, r"top_p"),
+        ("sampling.kv_cache_dtype", "float16", r"sampling.kv_cache_dtype='float16' .*one of \('compute', 'bfloat16'\)"),
         ("actor_optim.lr", 0.0, r"actor_optim.lr"),
         ("lambda_actor", float("nan"), r"finite"),
         ("critic_init_bias", float("inf"), r"critic_init_bias"),

@@ -46,7 +46,7 @@ CRITIC_STAGE = {"vcppo": "value_pretrain", "ppo": "reward_model", "grpo": None, 
                 "vapo": "value_pretrain"}
 TRAIN_KEYS = ("rollout/response_length_mean", "rollout/accuracy", "policy/clipfrac", "policy/approx_kl",
               "policy/entropy", "policy/grad_norm", "policy/lr", "perf/tokens_per_s", "perf/step_time_s",
-              "diag/adv_early_bias")
+              "diag/adv_early_bias", "rollout/sampler_logp_gap")
 CRITIC_KEYS = ("value/loss", "value/explained_var", "diag/value_pos00")
 EVAL_KEYS = ("eval/pass@1", "eval/response_length_mean", "probe/pass@1", "probe/response_length_mean")
 

@@ -154,6 +154,29 @@ def test_temperature_zero_equals_top_k_one(params, prompts, greedy_out, eos_id):
     np.testing.assert_allclose(out.logprobs, 0.0, atol=1e-6)  # a single-token distribution
 
 
+def _cache_carry_dtypes(kv_cache_dtype: str, tokens, mask) -> list:
+    """dtypes of the decode loop's carried arrays that have the KV cache's shape [L, B, P + R, K, H]."""
+    fn = make_sampler(MODEL, max_new_tokens=R, eos_id=None, pad_id=PAD_ID, kv_cache_dtype=kv_cache_dtype)
+    # The jitted sampler's jaxpr is one pjit call; the decode loop sits inside it.
+    inner = jax.make_jaxpr(fn.__wrapped__)(_abstract()["params"], tokens, mask, RNG).eqns[0].params["jaxpr"]
+    loop = next(e for e in inner.eqns if e.primitive.name == "while")
+    shape = (CFG.num_layers, B, P + R, CFG.num_kv_heads, CFG.head_dim)
+    return [v.aval.dtype for v in loop.outvars if v.aval.shape == shape]
+
+
+def test_bf16_kv_cache(params, prompts, greedy_reference):
+    """'bfloat16' stores the cache in bf16 (the loop carries bf16 k and v instead of fp32 ones); keys and values
+    are rounded, so the log-probs move off the fp32 forward pass by a little, and the greedy tokens stay."""
+    assert _cache_carry_dtypes("compute", *prompts) == [jnp.float32] * 2
+    assert _cache_carry_dtypes("bfloat16", *prompts) == [jnp.bfloat16] * 2
+    out = _run(params, *prompts, kv_cache_dtype="bfloat16")
+    logq = _log_softmax(_response_logits(params, out, prompts[1]))
+    err = np.abs(out.logprobs - np.take_along_axis(logq, out.tokens[:, P:, None], -1)[..., 0])
+    assert 1e-4 < err.max() < 5e-2  # rounded (fp32 cache: < 1e-5, test above), but close
+    greedy = _run(params, *prompts, temperature=0.0, kv_cache_dtype="bfloat16")
+    np.testing.assert_array_equal(greedy.tokens[:, P:], greedy_reference[0])
+
+
 # ------------------------------------------------------------------------------------------------ top-k / top-p
 def _allowed(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """numpy reference: log-probs [..., V] of the filtered, renormalized distribution (-inf outside the set)."""
@@ -280,6 +303,7 @@ def test_input_validation(params, prompts):
         (dict(top_k=CFG.vocab_size + 1), r"top_k must be an int in \[0, vocab_size\] = \[0, 64\]"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(kv_cache_dtype="float16"), r"kv_cache_dtype must be one of \('compute', 'bfloat16'\)"),
     ]
     for kw, msg in bad:
         with pytest.raises(ValueError, match=msg):

@@ -264,6 +264,11 @@ def test_trainer_logprobs_match_sampler_at_config_temperature():
 
     exp, _ = experience_fn(hp)(make_state(hp, with_ref=False), batch)
     np.testing.assert_allclose(np.asarray(exp.old_logp)[valid], sampled, atol=1e-4)
+    # With the sampler's log-probs attached, the experience reports how far they are from the trainer's.
+    for shift in (0.0, 0.25):
+        with_logp = batch.replace(sample_logp=jnp.asarray(out.logprobs + shift * np.asarray(out.response_mask)))
+        _, m = experience_fn(hp)(make_state(hp, with_ref=False), with_logp)
+        np.testing.assert_allclose(float(m["rollout/sampler_logp_gap"]), shift, atol=1e-4)
     logp_fn = jit(functools.partial(rl.policy_logprobs, ACTOR, prompt_len=P, chunk=CHUNK,
                                     temperature=hp.temperature))
     logp, _ = logp_fn(params, batch.tokens, batch.attn_mask)

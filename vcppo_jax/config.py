@@ -18,6 +18,7 @@ from vcppo_jax.losses import AGG_MODES, KL_KINDS
 from vcppo_jax.models.config import ATTENTION_IMPLS, SUPPORTED_MODEL_TYPES
 from vcppo_jax.rewards import TASKS
 from vcppo_jax.rl import ADVANTAGE_ESTIMATORS
+from vcppo_jax.sampling import KV_CACHE_DTYPES
 
 STAGES = ("sft", "reward_model", "value_pretrain", "rl")
 CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
@@ -115,7 +116,8 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
 def sampling_config() -> ml_collections.ConfigDict:
     # 0.7: at temperature 1 the tiny CPU policy garbles ~80% of its scratchpads (pass@1 ~0.1 vs ~0.45 greedy), which
     # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
-    return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0))
+    # kv_cache_dtype: 'compute' (the model's dtype) or 'bfloat16' (half an fp32 model's cache; sampling.py).
+    return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0, kv_cache_dtype="compute"))
 
 
 def stage_overrides() -> ml_collections.ConfigDict:
@@ -355,6 +357,7 @@ def _validate_sampling(c) -> None:
     _check_range(c, "sampling.temperature", 0.0, float("inf"), hi_open=True)  # 0 = greedy.
     _check_int(c, "sampling.top_k", 0)
     _check_range(c, "sampling.top_p", 0.0, 1.0, lo_open=True)
+    _check_choice(c, "sampling.kv_cache_dtype", KV_CACHE_DTYPES)
 
 
 def _validate_minibatching(c, batch: int) -> None:

@@ -73,7 +73,8 @@ def _sampler_program(actor: CausalLM, config, rt, batch: int, tok, temperature: 
     """(name, jitted sampler, abstract args) for `batch` prompts of task.max_prompt_len."""
     s = config.sampling
     fn = make_sampler(actor, max_new_tokens=config.task.max_response_len, eos_id=tok.eos_token_id,
-                      pad_id=tok.pad_token_id, temperature=temperature, top_k=s.top_k, top_p=s.top_p)
+                      pad_id=tok.pad_token_id, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
+                      kv_cache_dtype=s.kv_cache_dtype)
     P = config.task.max_prompt_len
     prompts = _batch(rt, tokens=((batch, P), jnp.int32), mask=((batch, P), jnp.int32))
     key = _replicated(rt, jax.eval_shape(lambda: jax.random.PRNGKey(0)))

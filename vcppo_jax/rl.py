@@ -214,6 +214,10 @@ def make_experience_fn(hp: RLHparams, actor: nn.Module, critic: nn.Module | None
             "adv/abs_mean": (jnp.abs(raw_advantages) * mask).sum() / n,
             "returns/mean": (returns * mask).sum() / n,
         })
+        if rollout.sample_logp is not None:
+            # The ratio's old log-probs are the trainer's; a sampler that computes differently (a bf16 KV cache,
+            # an inference engine) draws from a slightly different policy: this is how far apart the two are.
+            m["rollout/sampler_logp_gap"] = (jnp.abs(rollout.sample_logp - old_logp) * mask).sum() / n
         return experience, m
 
     return make_experience

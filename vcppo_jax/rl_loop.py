@@ -109,9 +109,9 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                          in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
     greedy = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                          temperature=0.0)
+                          temperature=0.0, kv_cache_dtype=s.kv_cache_dtype)
     # Drift control: KL(policy || SFT policy) on the probe prompts (the first `eval_prompts` test records).
     # With a KL penalty the state already holds the SFT policy (`ref_params`); it is read from the live state at
     # each eval and passed as an argument, never closed over: `update` donates the state's buffers.

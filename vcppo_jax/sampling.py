@@ -30,6 +30,9 @@ from vcppo_jax.models import CausalLM, KVCache, init_cache, position_ids
 
 Array = jax.Array
 _CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+# What the KV cache stores: the model's compute dtype, or bfloat16 (half the cache memory of an fp32 model; keys
+# and values are rounded to bf16 when written and attention still runs in the compute dtype).
+KV_CACHE_DTYPES = ("compute", "bfloat16")
 
 
 class SampleOutput(NamedTuple):
@@ -60,6 +63,7 @@ class _Options:
     temperature: float
     top_k: int
     top_p: float
+    kv_cache_dtype: str
 
 
 # ------------------------------------------------------------------------------------------------ token choice
@@ -117,7 +121,8 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
 
     # Prefill: the prompt's last slot (always real under left padding) predicts response token 0.
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
-    cache = _constrain(init_cache(model.cfg, b, p + r))
+    cache_dtype = None if opts.kv_cache_dtype == "compute" else jnp.dtype(opts.kv_cache_dtype)
+    cache = _constrain(init_cache(model.cfg, b, p + r, cache_dtype))
     hidden, cache = model.apply(variables, prompt_tokens, position_ids(prompt_mask), kv_mask, cache, 0)
     token, logp = _choose(last_logits(hidden), step_keys(0), opts)
     response = jnp.full((b, r), opts.pad_id, jnp.int32).at[:, 0].set(token)
@@ -161,7 +166,7 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, temperature: Any, top_k: Any,
-                   top_p: Any) -> _Options:
+                   top_p: Any, kv_cache_dtype: Any) -> _Options:
     if not isinstance(model, CausalLM):
         raise ValueError(f"model must be a vcppo_jax.models.CausalLM, got {type(model).__name__}")
     vocab = model.cfg.vocab_size
@@ -178,8 +183,10 @@ def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, te
         raise ValueError(f"top_k must be an int in [0, vocab_size] = [0, {vocab}] (0 = off), got {top_k!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float, np.floating)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     return _Options(int(max_new_tokens), None if eos_id is None else int(eos_id), int(pad_id), float(temperature),
-                    int(top_k), float(top_p))
+                    int(top_k), float(top_p), kv_cache_dtype)
 
 
 def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
@@ -203,7 +210,7 @@ def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------ public API
 def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | None, pad_id: int,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kv_cache_dtype: str = "compute"
                  ) -> Callable[[Any, Array, Array, Array], SampleOutput]:
     """Validated, jitted `fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng) -> SampleOutput`.
 
@@ -211,7 +218,8 @@ def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | None, pa
     `sample`. Calls with the same (model, options) share one `jax.jit` (`fn.__wrapped__`), compiled once per
     input shapes and shardings.
     """
-    jitted = _compiled(model, _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p))
+    jitted = _compiled(model, _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p,
+                                             kv_cache_dtype))
 
     @functools.wraps(jitted)
     def fn(params: Any, prompt_tokens: Array, prompt_mask: Array, rng: Array) -> SampleOutput:
@@ -223,7 +231,7 @@ def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | None, pa
 
 def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Array, rng: Array, *,
            max_new_tokens: int, eos_id: int | None, pad_id: int, temperature: float = 1.0, top_k: int = 0,
-           top_p: float = 1.0) -> SampleOutput:
+           top_p: float = 1.0, kv_cache_dtype: str = "compute") -> SampleOutput:
     """Samples up to `max_new_tokens` tokens after each left-padded prompt.
 
     Args:
@@ -234,12 +242,13 @@ def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Arra
       max_new_tokens: R >= 1. eos_id: stop token in [0, vocab), or None for no stop (always R tokens).
       pad_id: written after EOS. temperature: >= 0, 0 = greedy. top_k: 0 (off) or the number of most likely
         tokens kept. top_p: nucleus mass in (0, 1], 1 = off. Filters apply in the order temperature, top-k,
-        top-p (as HF's warpers).
+        top-p (as HF's warpers). kv_cache_dtype: one of KV_CACHE_DTYPES ('compute' = the model's compute
+        dtype; 'bfloat16' halves an fp32 model's cache).
     Returns:
       SampleOutput; the decode loop stops as soon as every row has emitted EOS.
     """
     fn = make_sampler(model, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature,
-                      top_k=top_k, top_p=top_p)
+                      top_k=top_k, top_p=top_p, kv_cache_dtype=kv_cache_dtype)
     return fn(params, prompt_tokens, prompt_mask, rng)
 
 

@@ -85,7 +85,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
             lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
             in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     sampler = make_sampler(model, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                           temperature=0.0)
+                           temperature=0.0, kv_cache_dtype=config.sampling.kv_cache_dtype)
     meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False,
             "provenance": stage_meta.provenance(config, restored_meta)}
     correct = 1.0

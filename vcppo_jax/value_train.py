@@ -139,7 +139,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                           in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
     sample_key, update_key = jax.random.split(jax.random.PRNGKey(config.seed))
     logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,
                                show=("value/loss", "value/explained_var", "rollout/accuracy"))
