@@ -11,7 +11,7 @@ import pytest
 from testutil import all_shapes, random_params
 from vcppo_jax.models import CausalLM, ModelConfig, attention_mask, position_ids
 from vcppo_jax.models import transformer
-from vcppo_jax.models.attention import blockwise_attention, cudnn_attention
+from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
 from vcppo_jax.sampling import make_sampler
 
 B, T, H = 3, 37, 8
@@ -135,6 +135,25 @@ def test_default_picks_blockwise_by_length_and_only_where_queries_are_keys():
     assert not auto._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
     assert transformer.Decoder(BLOCKWISE)._blockwise(16, 0)
     assert not transformer.Decoder(CFG)._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, 0)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 13 slots: clamped last blocks (4, 5), one block (64)
+@pytest.mark.parametrize("num_new", [1, 3])
+def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size, num_new):
+    """T new queries at slot `index` of a 13-slot, 2-layer cache: the same output as dense attention over the
+    layer's whole cache (mask: left padding, causality), for every index; slots past it hold garbage."""
+    rs = np.random.RandomState(3)
+    layers, slots, b, n, kh = 2, 13, 3, 4, 2
+    cache_k, cache_v = (jnp.asarray(rs.randn(layers, b, slots, kh, H), jnp.float32) for _ in range(2))
+    q = jnp.asarray(rs.randn(b, num_new, n, H), jnp.float32)
+    kv_mask = jnp.asarray(np.arange(slots)[None, :] >= np.array([0, 2, 5])[:, None])
+    fn = jax.jit(functools.partial(cache_prefix_attention, block_size=block_size))
+    for index in range(5, slots - num_new + 1):
+        mask = attention_mask(kv_mask, num_new, index)
+        for layer in range(layers):
+            got = fn(q, cache_k, cache_v, jnp.int32(layer), mask, jnp.int32(index + num_new))
+            want = jax.nn.dot_product_attention(q, cache_k[layer], cache_v[layer], mask=mask, implementation="xla")
+            np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"index {index}, layer {layer}")
 
 
 # ------------------------------------------------------------------------------------------ cuDNN (NVIDIA GPUs only)

@@ -157,6 +157,48 @@ def blockwise_attention(q: Array, k: Array, v: Array, kv_mask: Array, *, block_s
     return _attention(q, k, v, kv_mask.astype(bool), -(-t // num_blocks))
 
 
+# ---------------------------------------------------------------------------------------- decode against a cache
+def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Array, mask: Array, num_keys: Array, *,
+                           block_size: int = 512) -> Array:
+    """Attention of T new queries over one layer of a KV cache, reading only the key blocks below `num_keys`.
+
+    A decode step against a static [L, B, S, K, H] cache would otherwise read (and on CPU, copy into the dots'
+    layout) all S slots of every layer at every step, filled or not; here the online softmax of `blockwise_attention`
+    runs over ceil(num_keys / block) blocks sliced straight from the cache, so a step costs what the sequence holds
+    so far. q [B, T, N, H] (N % K == 0); cache_k / cache_v [L, B, S, K, H] (read in q's dtype); layer: int32 scalar;
+    mask [B, 1, T, S] bool, the dense path's (key padding and causality); num_keys: int32 scalar, the slots at and
+    after it are invisible to every query. Returns [B, T, N, H] in q's dtype (softmax and sums in fp32).
+    """
+    b, t, n, h = q.shape
+    s, kh = cache_k.shape[2], cache_k.shape[3]
+    block = min(block_size, s)
+    qg = q.reshape(b, t, kh, n // kh, h)  # query head n uses kv head n // G (GQA, as jax and HF)
+    scale = h ** -0.5
+
+    def key_block(j, carry):
+        acc, m, l = carry
+        # The last block is clamped inside the cache; its slots that an earlier block already read are skipped.
+        start = jnp.minimum(j * block, s - block)
+        k_j, v_j = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, b, block, kh, h))[0].astype(q.dtype)
+                    for c in (cache_k, cache_v))
+        fresh = start + jnp.arange(block) >= j * block
+        visible = jax.lax.dynamic_slice(mask, (0, 0, 0, start), (b, 1, t, block)) & fresh  # [B, 1, T, bs]
+        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_j, preferred_element_type=jnp.float32) * scale
+        scores = jnp.where(visible[:, :, None], scores, _MASKED)
+        m_new = jnp.maximum(m, scores.max(axis=-1))
+        p = jnp.exp(scores - m_new[..., None])
+        corr = jnp.exp(m - m_new)
+        pv = jnp.einsum("bkgts,bskh->bkgth", p, v_j.astype(jnp.float32))
+        return acc * corr[..., None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+    g = n // kh
+    init = (jnp.zeros((b, kh, g, t, h), jnp.float32), jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
+            jnp.zeros((b, kh, g, t), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, (num_keys + block - 1) // block, key_block, init)
+    out = jnp.moveaxis(acc / l[..., None], 3, 1)  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h).astype(q.dtype)
+
+
 # ---------------------------------------------------------------------------------------- cuDNN, made safe for us
 CUDNN_SEQ_MULTIPLE = 64  # the fused kernel's constraint on query and key lengths when it is differentiated
 

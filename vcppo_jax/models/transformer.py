@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vcppo_jax.models.attention import blockwise_attention, cudnn_attention
+from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
 from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig
 
 Array = jax.Array
@@ -189,6 +189,11 @@ class Attention(nn.Module):
             start = (layer, 0, cache_index, 0, 0)
             cache = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], start)
                           for c, new in zip(cache, (key, val)))
+            if x.shape[1] == 1 and cfg.attention_impl != "cudnn":  # a decode step: only the filled slots
+                out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1,
+                                             block_size=cfg.attention_block_size)
+                y = Proj((cfg.hidden_size,), ("heads", "head_dim", "embed"), dt, pdt, n_in=2, name="o_proj")(out)
+                return y, cache
             size = (1, x.shape[0], mask.shape[-1], k, h)
             key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
         if mask.ndim == 2:
