@@ -154,6 +154,10 @@ def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size,
             got = fn(q, cache_k, cache_v, jnp.int32(layer), mask, jnp.int32(index + num_new))
             want = jax.nn.dot_product_attention(q, cache_k[layer], cache_v[layer], mask=mask, implementation="xla")
             np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"index {index}, layer {layer}")
+            # A prefill's mask covers only the slots its queries can see (S' = index + T < S): the same output.
+            seen = index + num_new
+            got = fn(q, cache_k, cache_v, jnp.int32(layer), mask[..., :seen], jnp.int32(seen))
+            np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"index {index}, layer {layer}, S' = {seen}")
 
 
 # ------------------------------------------------------------------------------------------ cuDNN (NVIDIA GPUs only)

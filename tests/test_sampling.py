@@ -128,6 +128,18 @@ def test_greedy_matches_uncached_argmax_and_stops_at_eos(greedy_out, greedy_refe
     assert int(out.num_steps) == R - 1
 
 
+def test_one_token_prompts(params):
+    """P = 1: the prefill is a single new token too (its mask covers one slot, not the cache): same tokens as the
+    step-by-step uncached argmax."""
+    prompt = np.array([[5], [17]], np.int32)
+    out = _run(params, prompt, np.ones_like(prompt, bool), temperature=0.0)
+    seq = np.concatenate([prompt, np.zeros((2, R), np.int32)], axis=1)
+    for t in range(R):
+        mask = np.arange(1 + R)[None, :] <= t
+        seq[:, 1 + t] = np.asarray(_full_logits(params, seq, np.repeat(mask, 2, 0)))[:, t].argmax(-1)
+    np.testing.assert_array_equal(out.tokens, seq)
+
+
 def test_early_exit_when_all_rows_done(params, prompts, greedy_reference, eos_id):
     """Rows that never emit EOS are replaced by a copy of one that does: the loop must stop before R."""
     ref_tokens, _ = greedy_reference

@@ -166,11 +166,12 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
     layout) all S slots of every layer at every step, filled or not; here the online softmax of `blockwise_attention`
     runs over ceil(num_keys / block) blocks sliced straight from the cache, so a step costs what the sequence holds
     so far. q [B, T, N, H] (N % K == 0); cache_k / cache_v [L, B, S, K, H] (read in q's dtype); layer: int32 scalar;
-    mask [B, 1, T, S] bool, the dense path's (key padding and causality); num_keys: int32 scalar, the slots at and
-    after it are invisible to every query. Returns [B, T, N, H] in q's dtype (softmax and sums in fp32).
+    mask [B, 1, T, S'] bool over the first S' <= S slots, the dense path's (key padding and causality); num_keys:
+    int32 scalar <= S', the slots at and after it are invisible to every query. Returns [B, T, N, H] in q's dtype
+    (softmax and sums in fp32).
     """
     b, t, n, h = q.shape
-    s, kh = cache_k.shape[2], cache_k.shape[3]
+    s, kh = mask.shape[-1], cache_k.shape[3]
     block = min(block_size, s)
     qg = q.reshape(b, t, kh, n // kh, h)  # query head n uses kv head n // G (GQA, as jax and HF)
     scale = h ** -0.5

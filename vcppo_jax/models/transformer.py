@@ -183,20 +183,20 @@ class Attention(nn.Module):
         q = nn.with_logical_constraint(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
         key = nn.with_logical_constraint(apply_rope(key, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
         val = nn.with_logical_constraint(val, ("batch", "length", "kv_heads", "head_dim"))
+        # One new token (a decode step): an online softmax over the cache's filled blocks, read in place.
+        in_place = cache is not None and x.shape[1] == 1 and mask.ndim == 4 and cfg.attention_impl != "cudnn"
         if cache is not None:
             # Write only the T new entries into the full [L, ...] cache (the scan carries it, so XLA updates the
-            # buffer in place), then read this layer's visible slots back for attention.
+            # buffer in place), then attend over this layer's visible slots.
             start = (layer, 0, cache_index, 0, 0)
             cache = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], start)
                           for c, new in zip(cache, (key, val)))
-            if x.shape[1] == 1 and cfg.attention_impl != "cudnn":  # a decode step: only the filled slots
-                out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1,
-                                             block_size=cfg.attention_block_size)
-                y = Proj((cfg.hidden_size,), ("heads", "head_dim", "embed"), dt, pdt, n_in=2, name="o_proj")(out)
-                return y, cache
-            size = (1, x.shape[0], mask.shape[-1], k, h)
-            key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
-        if mask.ndim == 2:
+            if not in_place:
+                size = (1, x.shape[0], mask.shape[-1], k, h)
+                key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
+        if in_place:
+            out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1, block_size=cfg.attention_block_size)
+        elif mask.ndim == 2:
             out = blockwise_attention(q, key, val, mask, block_size=cfg.attention_block_size)
         elif cfg.attention_impl == "cudnn":
             out = cudnn_attention(q, key, val, mask)
