@@ -61,6 +61,17 @@ def _scores(q_i: Array, k_j: Array, scale: float) -> Array:
     return jnp.einsum("bqkgh,bskh->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
 
 
+def _online_softmax_step(carry, scores: Array, v_j: Array):
+    """One key block of the online softmax: carry (acc [B, K, G, Q, H], running max m and normalizer l [B, K, G, Q]),
+    fp32 scores [B, K, G, Q, S] (masked ones at _MASKED), values v_j [B, S, K, H] -> the updated carry."""
+    acc, m, l = carry
+    m_new = jnp.maximum(m, scores.max(axis=-1))
+    p = jnp.exp(scores - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgqs,bskh->bkgqh", p, v_j.astype(jnp.float32))
+    return acc * corr[..., None] + pv, m_new, l * corr + p.sum(axis=-1)
+
+
 def _forward(q, k, v, kv_mask, block):
     t = q.shape[1]
     scale = q.shape[-1] ** -0.5
@@ -71,13 +82,8 @@ def _forward(q, k, v, kv_mask, block):
         q_i = qb[i]
 
         def key_block(j, carry):
-            acc, m, l = carry
             s = jnp.where(_visible(mb[j], i, j, block), _scores(q_i, kb[j], scale), _MASKED)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            p = jnp.exp(s - m_new[..., None])
-            corr = jnp.exp(m - m_new)
-            pv = jnp.einsum("bkgqs,bskh->bkgqh", p, vb[j].astype(jnp.float32))
-            return acc * corr[..., None] + pv, m_new, l * corr + p.sum(axis=-1)
+            return _online_softmax_step(carry, s, vb[j])
 
         init = (jnp.zeros((b, kh, g, bs, h), jnp.float32), jnp.full((b, kh, g, bs), -jnp.inf, jnp.float32),
                 jnp.zeros((b, kh, g, bs), jnp.float32))
@@ -177,7 +183,6 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
     scale = h ** -0.5
 
     def key_block(j, carry):
-        acc, m, l = carry
         # The last block is clamped inside the cache; its slots that an earlier block already read are skipped.
         start = jnp.minimum(j * block, s - block)
         k_j, v_j = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, b, block, kh, h))[0].astype(q.dtype)
@@ -185,12 +190,7 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
         fresh = start + jnp.arange(block) >= j * block
         visible = jax.lax.dynamic_slice(mask, (0, 0, 0, start), (b, 1, t, block)) & fresh  # [B, 1, T, bs]
         scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_j, preferred_element_type=jnp.float32) * scale
-        scores = jnp.where(visible[:, :, None], scores, _MASKED)
-        m_new = jnp.maximum(m, scores.max(axis=-1))
-        p = jnp.exp(scores - m_new[..., None])
-        corr = jnp.exp(m - m_new)
-        pv = jnp.einsum("bkgts,bskh->bkgth", p, v_j.astype(jnp.float32))
-        return acc * corr[..., None] + pv, m_new, l * corr + p.sum(axis=-1)
+        return _online_softmax_step(carry, jnp.where(visible[:, :, None], scores, _MASKED), v_j)
 
     g = n // kh
     init = (jnp.zeros((b, kh, g, t, h), jnp.float32), jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),
