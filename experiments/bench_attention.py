@@ -1,5 +1,6 @@
 """Memory and time of the actor's training pass (forward + backward of the response log-probs) vs response length:
-dense attention ('xla') beside blockwise attention ('blockwise', `vcppo_jax/models/attention.py`), remat off and on.
+attention kernels side by side (--kernels, default dense 'xla' beside 'blockwise', `vcppo_jax/models/attention.py`;
+also 'cudnn' on a GPU, 'splash' on a TPU), remat off and on. The last kernel is the reference of the ratios.
 
 Memory is XLA's own plan for the compiled step (`compiled.memory_analysis()`: temporary buffers, i.e. activations
 and attention intermediates, plus arguments and outputs), so a length whose dense step would not fit in RAM is still
@@ -8,6 +9,7 @@ measured: nothing is allocated. Time (--time-up-to) runs the step on random toke
 Run (from the repo root):
   .venv/bin/python experiments/bench_attention.py                        # 1k, 4k, 8k, 16k; time up to 1k
   .venv/bin/python experiments/bench_attention.py --lengths=512,2048 --time-up-to=2048
+  python experiments/bench_attention.py --kernels=xla,cudnn,blockwise --dtype=bfloat16   # GPU: the default's choice
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ def step_fn(cfg, prompt_len: int):
     return jax.jit(jax.value_and_grad(loss)), actor
 
 
-def measure(impl: str, remat: bool, length: int, batch: int, block: int, timed: bool, iters: int) -> dict:
+def measure(impl: str, remat: bool, length: int, batch: int, block: int, timed: bool, iters: int,
+            dtype: str = "float32") -> dict:
     import jax  # noqa: PLC0415
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -52,7 +55,7 @@ def measure(impl: str, remat: bool, length: int, batch: int, block: int, timed: 
     from vcppo_jax import runtime  # noqa: PLC0415
     from vcppo_jax.models import ModelConfig, init_params  # noqa: PLC0415
 
-    cfg = ModelConfig(**MODEL, attention_impl=impl, attention_block_size=block, remat=remat,
+    cfg = ModelConfig(**MODEL, attention_impl=impl, attention_block_size=block, remat=remat, dtype=dtype,
                       max_position_embeddings=PROMPT_LEN + length)
     fn, actor = step_fn(cfg, PROMPT_LEN)
     t = PROMPT_LEN + length
@@ -77,27 +80,44 @@ def measure(impl: str, remat: bool, length: int, batch: int, block: int, timed: 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,4096,8192,16384", help="response lengths (tokens)")
+    p.add_argument("--kernels", default="xla,blockwise", help="attention_impl values, side by side; the last is the "
+                   "ratios' reference")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype ('cudnn' "
+                   "needs bfloat16)")
     p.add_argument("--batch", type=int, default=8, help="responses per step")
-    p.add_argument("--block", type=int, default=512, help="blockwise attention block size")
+    p.add_argument("--block", type=int, default=512, help="blockwise / splash attention block size")
     p.add_argument("--time-up-to", type=int, default=1024, help="also time the step at lengths up to this")
     p.add_argument("--iters", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     lengths = [int(x) for x in args.lengths.split(",")]
-    print(f"actor training pass, batch {args.batch} x ({PROMPT_LEN} + R) tokens, model {MODEL}; XLA's planned "
-          f"memory of the compiled step (MiB: temporaries / with arguments and outputs)", flush=True)
-    head = f"{'R':>6} {'remat':>5} | {'dense MiB':>19} | {'blockwise MiB':>19} | {'dense/blockwise':>15}"
-    print(head + (f" | {'dense s':>8} {'blockw. s':>9} {'ratio':>6}" if args.time_up_to else ""), flush=True)
+    kernels = args.kernels.split(",")
+    print(f"actor training pass, batch {args.batch} x ({PROMPT_LEN} + R) tokens, {args.dtype}, model {MODEL}; XLA's "
+          f"planned memory of the compiled step (MiB: temporaries / with arguments and outputs), time s; ratios: "
+          f"each kernel / {kernels[-1]}", flush=True)
+    print(f"{'R':>6} {'remat':>5} | " + " | ".join(f"{k + ' MiB':>19} {'s':>7} {'ratio':>12}" for k in kernels),
+          flush=True)
     for length in lengths:
         for remat in (False, True):
             timed = length <= args.time_up_to
-            d = measure("xla", remat, length, args.batch, args.block, timed, args.iters)
-            b = measure("blockwise", remat, length, args.batch, args.block, timed, args.iters)
-            line = (f"{length:>6} {str(remat):>5} | {d['temp_mib']:>9.0f} / {d['total_mib']:>7.0f} | "
-                    f"{b['temp_mib']:>9.0f} / {b['total_mib']:>7.0f} | {d['total_mib'] / b['total_mib']:>14.1f}x")
-            if timed:
-                line += f" | {d['time_s']:>8.2f} {b['time_s']:>9.2f} {d['time_s'] / b['time_s']:>5.2f}x"
-            print(line, flush=True)
+            rows = []
+            for kernel in kernels:
+                try:
+                    rows.append(measure(kernel, remat, length, args.batch, args.block, timed, args.iters, args.dtype))
+                except Exception as e:  # noqa: BLE001 - a kernel refused on this backend or out of memory: say so
+                    rows.append({"error": f"{type(e).__name__}: {str(e).splitlines()[0][:60]}"})
+            ref = rows[-1]
+            cells = []
+            for r in rows:
+                if "error" in r:
+                    cells.append(f"{r['error']:>40}")
+                    continue
+                mem = r["total_mib"] / ref["total_mib"] if "total_mib" in ref else float("nan")
+                time_s = r.get("time_s", float("nan"))
+                speed = time_s / ref["time_s"] if timed and "time_s" in ref else float("nan")
+                cells.append(f"{r['temp_mib']:>9.0f} / {r['total_mib']:>7.0f} {time_s:>7.2f} "
+                             f"{mem:>5.1f}x/{speed:>5.2f}x")
+            print(f"{length:>6} {str(remat):>5} | " + " | ".join(cells), flush=True)
 
 
 if __name__ == "__main__":

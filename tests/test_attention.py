@@ -1,5 +1,5 @@
-"""Blockwise (memory-linear) attention against dense attention: outputs and gradients, left padding, GQA, block
-sizes, bf16, the model's forward and backward, the sampler's prefill, and no [T, T] intermediate."""
+"""Blockwise and splash (memory-linear) attention against dense attention: outputs and gradients, left padding, GQA,
+block sizes, bf16, the model's forward and backward, the sampler's prefill, and no [T, T] intermediate."""
 
 import functools
 
@@ -11,7 +11,10 @@ import pytest
 from testutil import all_shapes, random_params
 from vcppo_jax.models import CausalLM, ModelConfig, attention_mask, position_ids
 from vcppo_jax.models import transformer
+from vcppo_jax import sharding
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
+from vcppo_jax.models.config import check_attention_backend, long_attention_kernel
+from vcppo_jax.models.splash import splash_attention, splash_block
 from vcppo_jax.sampling import make_sampler
 
 B, T, H = 3, 37, 8
@@ -68,10 +71,12 @@ def test_padding_rows_are_finite():
     assert np.isfinite(np.asarray(blockwise_attention(q, k, v, kv_mask, block_size=8))).all()
 
 
-def test_no_quadratic_intermediate_forward_or_backward():
-    t, block = 64, 16
+@pytest.mark.parametrize("kernel,t,block", [("blockwise", 64, 16), ("splash", 512, 128)])
+def test_no_quadratic_intermediate_forward_or_backward(kernel, t, block):
     q, k, v = (jnp.ones((1, t, 2, 4)) for _ in range(3))
-    fn = lambda q, k, v: jnp.sum(blockwise_attention(q, k, v, jnp.ones((1, t), bool), block_size=block))  # noqa
+    attend = (functools.partial(blockwise_attention, block_size=block) if kernel == "blockwise" else
+              functools.partial(splash_attention, block_size=block, interpret=jax.default_backend() != "tpu"))
+    fn = lambda q, k, v: jnp.sum(attend(q, k, v, jnp.ones((1, t), bool)))  # noqa: E731
     shapes = all_shapes(jax.make_jaxpr(jax.grad(fn, argnums=(0, 1, 2)))(q, k, v).jaxpr)
     assert not [s for s in shapes if s.count(t) >= 2], set(s for s in shapes if s.count(t) >= 2)
     assert any(s[-2:] == (block, block) for s in shapes)  # the score blocks
@@ -131,10 +136,10 @@ def test_sampler_prefill_blockwise_gives_the_same_tokens(params):
 
 def test_default_picks_blockwise_by_length_and_only_where_queries_are_keys():
     auto = transformer.Decoder(CFG.replace(attention_impl=None))
-    assert auto._blockwise(transformer.BLOCKWISE_MIN_LEN, 0) and not auto._blockwise(64, 0)
-    assert not auto._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
-    assert transformer.Decoder(BLOCKWISE)._blockwise(16, 0)
-    assert not transformer.Decoder(CFG)._blockwise(4 * transformer.BLOCKWISE_MIN_LEN, 0)
+    assert auto._memory_linear(transformer.BLOCKWISE_MIN_LEN, 0) and not auto._memory_linear(64, 0)
+    assert not auto._memory_linear(4 * transformer.BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
+    assert transformer.Decoder(BLOCKWISE)._memory_linear(16, 0)
+    assert not transformer.Decoder(CFG)._memory_linear(4 * transformer.BLOCKWISE_MIN_LEN, 0)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 13 slots: clamped last blocks (4, 5), one block (64)
@@ -158,6 +163,84 @@ def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size,
             seen = index + num_new
             got = fn(q, cache_k, cache_v, jnp.int32(layer), mask[..., :seen], jnp.int32(seen))
             np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"index {index}, layer {layer}, S' = {seen}")
+
+
+# ------------------------------------------------------------------------------------------ splash (TPU Pallas)
+INTERPRET = jax.default_backend() != "tpu"  # off TPU the same kernel runs in Pallas's interpreter (slow, exact)
+SPLASH = CFG.replace(attention_impl="splash")
+
+
+def splash_inputs(t: int, pads, num_heads: int, num_kv_heads: int, seed: int = 0):
+    rs = np.random.RandomState(seed)
+    b = len(pads)
+    q, k, v = (jnp.asarray(rs.randn(b, t, n, H), jnp.float32) for n in (num_heads, num_kv_heads, num_kv_heads))
+    kv_mask = jnp.asarray(np.arange(t)[None, :] >= np.asarray(pads)[:, None])
+    weights = jnp.asarray(rs.randn(b, t, num_heads, H), jnp.float32) * kv_mask[:, :, None, None]
+    return q, k, v, kv_mask, weights
+
+
+# 150 tokens: two 128-blocks (the block above the diagonal skipped, 106 padding slots); 37: one block.
+@pytest.mark.parametrize("t,pads,num_heads,num_kv_heads", [(150, [0, 5, 149, 130], 4, 2), (37, [0, 5, 36], 2, 2),
+                                                           (150, [3, 140], 4, 1)])
+def test_splash_outputs_and_gradients_match_dense(t, pads, num_heads, num_kv_heads):
+    q, k, v, kv_mask, weights = splash_inputs(t, pads, num_heads, num_kv_heads)
+    splash = jax.jit(functools.partial(splash_attention, block_size=128, interpret=INTERPRET))
+    real = np.asarray(kv_mask)[:, :, None, None]
+    np.testing.assert_allclose(np.where(real, splash(q, k, v, kv_mask), 0),
+                               np.where(real, dense(q, k, v, kv_mask), 0), atol=2e-6)
+    grads = jax.jit(jax.grad(functools.partial(loss, splash), argnums=(0, 1, 2)))(q, k, v, kv_mask, weights)
+    want = jax.grad(functools.partial(loss, dense), argnums=(0, 1, 2))(q, k, v, kv_mask, weights)
+    for g, w in zip(grads, want):
+        np.testing.assert_allclose(g, w, atol=2e-6 * np.abs(w).max())
+    assert float(jnp.abs(grads[1]).max()) > 0
+
+
+def test_splash_under_a_mesh_runs_per_shard_and_matches():
+    """Under `use_mesh` the kernel runs in shard_map over batch (data) and kv heads (tensor): same values."""
+    q, k, v, kv_mask, weights = splash_inputs(150, [0, 5, 149, 130], 4, 2)
+    splash = functools.partial(splash_attention, block_size=128, interpret=INTERPRET)
+    grad = jax.jit(jax.value_and_grad(functools.partial(loss, splash), argnums=(0, 1, 2)))
+    want = grad(q, k, v, kv_mask, weights)
+    mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+    with sharding.use_mesh(mesh):
+        assert "shard_map" in str(jax.make_jaxpr(splash)(q, k, v, kv_mask))
+        got = grad(q, k, v, kv_mask, weights)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max())), got, want)
+
+
+def test_splash_block_sizes():
+    assert [splash_block(t, 512) for t in (1, 128, 129, 700, 5000)] == [128, 128, 256, 512, 512]
+    assert splash_block(5000, 300) == 256 and splash_block(5000, 64) == 128
+
+
+def test_splash_model_forward_grads_and_sampler_match_dense(params):
+    rs = np.random.RandomState(1)
+    mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
+    tokens = jnp.where(mask, jnp.asarray(rs.randint(1, CFG.vocab_size, (B, T))), 0)
+    weights = jnp.asarray(rs.randn(B, T, CFG.hidden_size), jnp.float32) * mask[:, :, None]
+    fn = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))  # noqa: E731
+    (_, hidden), grads = fn(SPLASH)(params, tokens, mask, weights)
+    (_, hidden_ref), grads_ref = fn(CFG)(params, tokens, mask, weights)
+    real = np.asarray(mask)[:, :, None]
+    np.testing.assert_allclose(np.where(real, hidden, 0), np.where(real, hidden_ref, 0), atol=2e-5)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max()), grads, grads_ref)
+    # The sampler's prefill runs splash, its decode steps the cache: the same greedy tokens and log-probs.
+    prompt_mask = np.arange(12)[None, :] >= np.array([0, 4, 9])[:, None]
+    prompts = np.where(prompt_mask, rs.randint(1, CFG.vocab_size, (3, 12)), 0).astype(np.int32)
+    out = [make_sampler(CausalLM(cfg), max_new_tokens=6, eos_id=None, pad_id=0, temperature=0.0)(
+        params["params"], prompts, prompt_mask, jax.random.PRNGKey(0)) for cfg in (CFG, SPLASH)]
+    np.testing.assert_array_equal(out[0].tokens, out[1].tokens)
+    np.testing.assert_allclose(out[0].logprobs, out[1].logprobs, atol=1e-5)
+
+
+def test_default_kernel_per_backend_and_splash_only_on_tpu():
+    assert long_attention_kernel(None, "tpu") == "splash"
+    assert long_attention_kernel(None, "gpu") == long_attention_kernel(None, "cpu") == "blockwise"
+    assert long_attention_kernel("blockwise", "tpu") == "blockwise" and long_attention_kernel("splash", "cpu") == "splash"
+    check_attention_backend("splash", "tpu")
+    check_attention_backend(None, "cpu")
+    with pytest.raises(ValueError, match="TPU Pallas kernel"):
+        check_attention_backend("splash", "gpu")
 
 
 # ------------------------------------------------------------------------------------------ cuDNN (NVIDIA GPUs only)

@@ -6,6 +6,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from vcppo_jax import builders, stage_meta, stages
@@ -241,6 +242,16 @@ def test_config_model_maps_onto_model_config_by_name():
     auto = builders.model_config(c, 55)  # hidden_size // num_heads / the kernel chosen by length
     assert (auto.vocab_size, auto.head_dim, auto.attention_impl) == (55, 32, None)
 
+
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="splash is this backend's kernel")
+def test_splash_off_tpu_fails_before_the_mesh_is_built():
+    from vcppo_jax import runtime  # noqa: PLC0415
+
+    c = load("vcppo")
+    c.model.attention_impl = "splash"
+    config_lib.validate(c)  # a valid value, for a TPU
+    with pytest.raises(ValueError, match="attention_impl='splash' is the TPU Pallas kernel"):
+        runtime.make_runtime(c)
 
 
 def _gsm8k_config(*args):

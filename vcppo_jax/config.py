@@ -55,8 +55,9 @@ def model_config() -> ml_collections.ConfigDict:
         max_position_embeddings=1024,
         dtype="float32",
         remat=False,
-        # Compute options like dtype and remat: '' = blockwise attention from 1024 tokens, dense below; 'blockwise',
-        # 'xla' or 'cudnn' always (models/config.py, ATTENTION_IMPLS).
+        # Compute options like dtype and remat: '' = a memory-linear kernel from 1024 tokens (splash on TPU,
+        # blockwise elsewhere), dense below; 'blockwise', 'splash' (TPU only), 'xla' or 'cudnn' always
+        # (models/config.py, ATTENTION_IMPLS).
         attention_impl="",
         attention_block_size=512,
     ))

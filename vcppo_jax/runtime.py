@@ -20,6 +20,7 @@ import tqdm
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import sharding
 from vcppo_jax.metrics import MetricWriter
+from vcppo_jax.models.config import check_attention_backend
 from vcppo_jax.optim import ModelState, init_model_state
 
 
@@ -70,8 +71,10 @@ def batch_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
 
 
 def make_runtime(config: ml_collections.ConfigDict) -> Runtime:
-    """Mesh from `config.mesh`; checks every batch of the stage divides data*fsdp before anything compiles."""
+    """Mesh from `config.mesh`; checks every batch of the stage divides data*fsdp, and that the attention kernel
+    runs on this backend, before anything compiles."""
     sharding.maybe_initialize_distributed()
+    check_attention_backend(config.model.attention_impl or None, jax.default_backend())
     mesh = sharding.make_mesh(**config.mesh.to_dict())
     for what, size in batch_sizes(config).items():
         sharding.check_batch_divisible(size, mesh, what=what)

@@ -23,12 +23,34 @@ _HF_FAMILIES = {
 }
 SUPPORTED_MODEL_TYPES = tuple(_HF_FAMILIES)
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# None: 'blockwise' for sequences of at least BLOCKWISE_MIN_LEN tokens (memory linear in length), below that jax's
-# own choice of dense kernel; 'xla' / 'cudnn': that dense kernel of `jax.nn.dot_product_attention` always;
-# 'blockwise': `models.attention.blockwise_attention` wherever the queries are the keys (training passes, log-probs,
-# values, the sampler's prefill; one-token decode steps are linear anyway and stay dense).
-ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise")
+# None: a memory-linear kernel (`long_attention_kernel`: splash on TPU, blockwise elsewhere) for sequences of at
+# least BLOCKWISE_MIN_LEN tokens, below that jax's own choice of dense kernel; 'xla' / 'cudnn': that dense kernel of
+# `jax.nn.dot_product_attention` always; 'blockwise' (`models.attention.blockwise_attention`, any backend) or
+# 'splash' (`models.splash.splash_attention`, the TPU Pallas kernel) wherever the queries are the keys (training
+# passes, log-probs, values, the sampler's prefill; one-token decode steps read the cache in place).
+ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise", "splash")
 BLOCKWISE_MIN_LEN = 1024
+
+
+def long_attention_kernel(impl: str | None, backend: str) -> str:
+    """The memory-linear kernel ('blockwise' or 'splash') that attention `impl` uses on `backend` (as
+    `jax.default_backend()` names it) for passes whose queries are the keys.
+
+    The default (None) takes the backend's fused kernel where one exists for our mask (causality + key padding)
+    without a dense mask: splash on TPU, which takes key padding as segment ids. On GPU, cuDNN's fused kernel
+    takes left padding only as a dense [B, 1, T, T] mask, quadratic in T, so long passes there stay blockwise.
+    """
+    if impl in ("blockwise", "splash"):
+        return impl
+    return "splash" if backend == "tpu" else "blockwise"
+
+
+def check_attention_backend(impl: str | None, backend: str) -> None:
+    """Raises before anything compiles if `impl` cannot run at speed on `backend`: off TPU the splash kernel only
+    runs in Pallas's interpreter (the tests' reference check), orders of magnitude slower."""
+    if impl == "splash" and backend != "tpu":
+        raise ValueError(f"attention_impl='splash' is the TPU Pallas kernel; this run's backend is {backend!r} "
+                         "(use 'blockwise', or '' to choose by backend and length)")
 # Required keys (besides 'rope_type') of each supported RoPE scaling variant, as spelled in HF configs.
 _ROPE_KEYS = {
     "default": (),
@@ -72,8 +94,10 @@ class ModelConfig:
       dtype: compute dtype, 'float32' or 'bfloat16'.
       param_dtype: storage dtype of the parameters, 'float32' (default, for training) or 'bfloat16'.
       remat: rematerialize each layer in the backward pass (`nn.remat`).
-      attention_impl: one of ATTENTION_IMPLS (None: blockwise from BLOCKWISE_MIN_LEN tokens, dense below).
-      attention_block_size: queries and keys per block of the blockwise attention.
+      attention_impl: one of ATTENTION_IMPLS (None: `long_attention_kernel` from BLOCKWISE_MIN_LEN tokens, dense
+        below).
+      attention_block_size: queries and keys per block of the blockwise attention (splash: rounded down to a
+        multiple of 128, `models.splash.splash_block`).
     """
 
     vocab_size: int

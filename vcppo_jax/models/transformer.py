@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
-from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig
+from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig, long_attention_kernel
+from vcppo_jax.models.splash import splash_attention
 
 Array = jax.Array
 _INIT_STD = 0.02  # HF initializer_range; random init is only used for from-scratch toy models and tests.
@@ -165,7 +166,7 @@ class Attention(nn.Module):
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array, cache: tuple[Array, Array] | None,
                  layer: Array, cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
         """x: [B, T, D]; cos/sin: [B, T, H]; cache: ([L, B, S, K, H], same) or None; mask: [B, 1, T, S'] bool
-        (dense attention), or [B, T] bool key padding when the queries are the keys (blockwise attention: causal,
+        (dense attention), or [B, T] bool key padding when the queries are the keys (blockwise or splash: causal,
         query i sees key j <= i; `Decoder` picks).
 
         With a cache, the T new keys/values are written at [layer, :, cache_index:cache_index + T] and the queries
@@ -197,7 +198,12 @@ class Attention(nn.Module):
         if in_place:
             out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1, block_size=cfg.attention_block_size)
         elif mask.ndim == 2:
-            out = blockwise_attention(q, key, val, mask, block_size=cfg.attention_block_size)
+            backend = jax.default_backend()
+            if long_attention_kernel(cfg.attention_impl, backend) == "splash":
+                out = splash_attention(q, key, val, mask, block_size=cfg.attention_block_size,
+                                       interpret=backend != "tpu")
+            else:
+                out = blockwise_attention(q, key, val, mask, block_size=cfg.attention_block_size)
         elif cfg.attention_impl == "cudnn":
             out = cudnn_attention(q, key, val, mask)
         else:
@@ -328,7 +334,7 @@ class Decoder(nn.Module):
         # A concrete cache_index (prefill) tells statically that slots from static_index + T on are invisible to
         # every query (causality), so attention skips them; a traced index (decode steps) needs all S slots.
         num_keys = kv_mask.shape[1] if static_index is None else static_index + tokens.shape[1]
-        if self._blockwise(tokens.shape[1], static_index):
+        if self._memory_linear(tokens.shape[1], static_index):
             mask = kv_mask[:, :num_keys].astype(bool)  # causality is the kernel's; only key padding is passed
         else:
             mask = attention_mask(kv_mask[:, :num_keys], tokens.shape[1], cache_index)
@@ -338,11 +344,12 @@ class Decoder(nn.Module):
         hidden = nn.with_logical_constraint(self.final_norm(x), _ACT)
         return hidden, (None if new_cache is None else KVCache(*new_cache))
 
-    def _blockwise(self, num_queries: int, static_index: int | None) -> bool:
-        """Blockwise attention where the T queries are exactly the keys (no cache, or a prefill at slot 0) and the
-        config asks for it (or leaves it to length)."""
+    def _memory_linear(self, num_queries: int, static_index: int | None) -> bool:
+        """A memory-linear kernel (blockwise or splash, `long_attention_kernel`) where the T queries are exactly the
+        keys (no cache, or a prefill at slot 0) and the config asks for one (or leaves it to length)."""
         impl = self.cfg.attention_impl
-        return static_index == 0 and (impl == "blockwise" or impl is None and num_queries >= BLOCKWISE_MIN_LEN)
+        return static_index == 0 and (impl in ("blockwise", "splash") or impl is None
+                                      and num_queries >= BLOCKWISE_MIN_LEN)
 
     def attend(self, hidden: Array) -> Array:
         """Tied LM head: hidden [..., D] -> fp32 logits [..., vocab] against the embedding matrix."""
