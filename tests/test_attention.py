@@ -149,7 +149,7 @@ def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size,
     layer's whole cache (mask: left padding, causality), for every index; slots past it hold garbage."""
     rs = np.random.RandomState(3)
     layers, slots, b, n, kh = 2, 13, 3, 4, 2
-    cache_k, cache_v = (jnp.asarray(rs.randn(layers, b, slots, kh, H), jnp.float32) for _ in range(2))
+    cache_k, cache_v = (jnp.asarray(rs.randn(layers, b, kh, slots, H), jnp.float32) for _ in range(2))  # head-major
     q = jnp.asarray(rs.randn(b, num_new, n, H), jnp.float32)
     kv_mask = jnp.asarray(np.arange(slots)[None, :] >= np.array([0, 2, 5])[:, None])
     fn = jax.jit(functools.partial(cache_prefix_attention, block_size=block_size))
@@ -157,7 +157,8 @@ def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size,
         mask = attention_mask(kv_mask, num_new, index)
         for layer in range(layers):
             got = fn(q, cache_k, cache_v, jnp.int32(layer), mask, jnp.int32(index + num_new))
-            want = jax.nn.dot_product_attention(q, cache_k[layer], cache_v[layer], mask=mask, implementation="xla")
+            k, v = (c[layer].transpose(0, 2, 1, 3) for c in (cache_k, cache_v))  # [B, S, K, H]
+            want = jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="xla")
             np.testing.assert_allclose(got, want, atol=2e-6, err_msg=f"index {index}, layer {layer}")
             # A prefill's mask covers only the slots its queries can see (S' = index + T < S): the same output.
             seen = index + num_new

@@ -71,7 +71,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(params, batch, full_l
     max_len = MAX_LEN
     TRACES.clear()
     cache = init_cache(CFG, B, max_len)
-    assert cache.k.shape == (CFG.num_layers, B, max_len, CFG.num_kv_heads, CFG.head_dim)
+    assert cache.k.shape == (CFG.num_layers, B, CFG.num_kv_heads, max_len, CFG.head_dim)
     assert cache.k.dtype == jnp.float32
     # The sampler's pattern: kv_mask starts as the prompt mask; each decoded slot is switched on when written.
     kv_mask = np.zeros((B, max_len), bool)
@@ -85,7 +85,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(params, batch, full_l
         logits, cache = STEP(params, tokens[:, s], positions[:, s], kv_mask, cache, jnp.int32(P + t))
         np.testing.assert_allclose(np.asarray(logits)[:, 0], full_logits[:, P + t], atol=1e-5, rtol=1e-5)
     assert TRACES == [(B, P), (B, 1)]  # the traced cache_index does not recompile per step
-    assert not np.any(np.asarray(cache.k)[:, :, P + R:])  # unused slots untouched
+    assert not np.any(np.asarray(cache.k)[:, :, :, P + R:])  # unused slots untouched
 
 
 def test_chunked_prefill_at_nonzero_cache_index(params, batch, full_logits):

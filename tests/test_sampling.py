@@ -167,12 +167,12 @@ def test_temperature_zero_equals_top_k_one(params, prompts, greedy_out, eos_id):
 
 
 def _cache_carry_dtypes(kv_cache_dtype: str, tokens, mask) -> list:
-    """dtypes of the decode loop's carried arrays that have the KV cache's shape [L, B, P + R, K, H]."""
+    """dtypes of the decode loop's carried arrays that have the KV cache's shape [L, B, K, P + R, H]."""
     fn = make_sampler(MODEL, max_new_tokens=R, eos_id=None, pad_id=PAD_ID, kv_cache_dtype=kv_cache_dtype)
     # The jitted sampler's jaxpr is one pjit call; the decode loop sits inside it.
     inner = jax.make_jaxpr(fn.__wrapped__)(_abstract()["params"], tokens, mask, RNG).eqns[0].params["jaxpr"]
     loop = next(e for e in inner.eqns if e.primitive.name == "while")
-    shape = (CFG.num_layers, B, P + R, CFG.num_kv_heads, CFG.head_dim)
+    shape = (CFG.num_layers, B, CFG.num_kv_heads, P + R, CFG.head_dim)
     return [v.aval.dtype for v in loop.outvars if v.aval.shape == shape]
 
 

@@ -29,7 +29,7 @@ import numpy as np
 from vcppo_jax.models import CausalLM, KVCache, init_cache, position_ids
 
 Array = jax.Array
-_CACHE_AXES = ("layers", "batch", "length", "kv_heads", "head_dim")
+_CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 # What the KV cache stores: the model's compute dtype, or bfloat16 (half the cache memory of an fp32 model; keys
 # and values are rounded to bf16 when written and attention still runs in the compute dtype).
 KV_CACHE_DTYPES = ("compute", "bfloat16")

@@ -61,14 +61,15 @@ def _scores(q_i: Array, k_j: Array, scale: float) -> Array:
     return jnp.einsum("bqkgh,bskh->bkgqs", q_i, k_j, preferred_element_type=jnp.float32) * scale
 
 
-def _online_softmax_step(carry, scores: Array, v_j: Array):
+def _online_softmax_step(carry, scores: Array, v_j: Array, v_axes: str = "bskh"):
     """One key block of the online softmax: carry (acc [B, K, G, Q, H], running max m and normalizer l [B, K, G, Q]),
-    fp32 scores [B, K, G, Q, S] (masked ones at _MASKED), values v_j [B, S, K, H] -> the updated carry."""
+    fp32 scores [B, K, G, Q, S] (masked ones at _MASKED), values v_j [B, S, K, H] (or as `v_axes` names them:
+    'bksh' for the KV cache's head-major blocks) -> the updated carry."""
     acc, m, l = carry
     m_new = jnp.maximum(m, scores.max(axis=-1))
     p = jnp.exp(scores - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("bkgqs,bskh->bkgqh", p, v_j.astype(jnp.float32))
+    pv = jnp.einsum(f"bkgqs,{v_axes}->bkgqh", p, v_j.astype(jnp.float32))
     return acc * corr[..., None] + pv, m_new, l * corr + p.sum(axis=-1)
 
 
@@ -168,16 +169,18 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
                            block_size: int = 512) -> Array:
     """Attention of T new queries over one layer of a KV cache, reading only the key blocks below `num_keys`.
 
-    A decode step against a static [L, B, S, K, H] cache would otherwise read (and on CPU, copy into the dots'
+    A decode step against a static [L, B, K, S, H] cache would otherwise read (and on CPU, copy into the dots'
     layout) all S slots of every layer at every step, filled or not; here the online softmax of `blockwise_attention`
     runs over ceil(num_keys / block) blocks sliced straight from the cache, so a step costs what the sequence holds
-    so far. q [B, T, N, H] (N % K == 0); cache_k / cache_v [L, B, S, K, H] (read in q's dtype); layer: int32 scalar;
+    so far. The cache is head-major so that each (row, kv head)'s block is one contiguous [bs, H] matrix, the
+    layout the dots read (with [.., S, K, H] slots, 1.4x slower on CPU at 2k keys). q [B, T, N, H] (N % K == 0);
+    cache_k / cache_v [L, B, K, S, H] (read in q's dtype); layer: int32 scalar;
     mask [B, 1, T, S'] bool over the first S' <= S slots, the dense path's (key padding and causality); num_keys:
     int32 scalar <= S', the slots at and after it are invisible to every query. Returns [B, T, N, H] in q's dtype
     (softmax and sums in fp32).
     """
     b, t, n, h = q.shape
-    s, kh = mask.shape[-1], cache_k.shape[3]
+    s, kh = mask.shape[-1], cache_k.shape[2]
     block = min(block_size, s)
     qg = q.reshape(b, t, kh, n // kh, h)  # query head n uses kv head n // G (GQA, as jax and HF)
     scale = h ** -0.5
@@ -185,12 +188,12 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
     def key_block(j, carry):
         # The last block is clamped inside the cache; its slots that an earlier block already read are skipped.
         start = jnp.minimum(j * block, s - block)
-        k_j, v_j = (jax.lax.dynamic_slice(c, (layer, 0, start, 0, 0), (1, b, block, kh, h))[0].astype(q.dtype)
-                    for c in (cache_k, cache_v))
+        k_j, v_j = (jax.lax.dynamic_slice(c, (layer, 0, 0, start, 0), (1, b, kh, block, h))[0].astype(q.dtype)
+                    for c in (cache_k, cache_v))  # [B, K, bs, H]
         fresh = start + jnp.arange(block) >= j * block
         visible = jax.lax.dynamic_slice(mask, (0, 0, 0, start), (b, 1, t, block)) & fresh  # [B, 1, T, bs]
-        scores = jnp.einsum("btkgh,bskh->bkgts", qg, k_j, preferred_element_type=jnp.float32) * scale
-        return _online_softmax_step(carry, jnp.where(visible[:, :, None], scores, _MASKED), v_j)
+        scores = jnp.einsum("btkgh,bksh->bkgts", qg, k_j, preferred_element_type=jnp.float32) * scale
+        return _online_softmax_step(carry, jnp.where(visible[:, :, None], scores, _MASKED), v_j, "bksh")
 
     g = n // kh
     init = (jnp.zeros((b, kh, g, t, h), jnp.float32), jnp.full((b, kh, g, t), -jnp.inf, jnp.float32),

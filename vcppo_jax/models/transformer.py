@@ -42,8 +42,9 @@ _ACT = ("batch", "length", "embed")
 class KVCache(NamedTuple):
     """Keys/values of every layer, stacked like the scanned params.
 
-    k: [layers, batch, max_len, kv_heads, head_dim] (RoPE already applied); v: same shape. Slot j holds the token
-    that was written at cache index j; which slots are valid is told by the caller's `kv_mask`, not by the cache.
+    k: [layers, batch, kv_heads, max_len, head_dim] (RoPE already applied; head-major, so that a decode step reads
+    each head's slots as one contiguous matrix); v: same shape. Slot j holds the token that was written at cache
+    index j; which slots are valid is told by the caller's `kv_mask`, not by the cache.
     """
 
     k: Array
@@ -54,7 +55,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) ->
     """All-zero cache for `batch` sequences of up to `max_len` tokens; dtype defaults to the compute dtype."""
     if batch < 1 or max_len < 1:
         raise ValueError(f"init_cache: batch and max_len must be >= 1, got batch={batch}, max_len={max_len}")
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     dtype = cfg.compute_dtype if dtype is None else dtype
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
@@ -165,7 +166,7 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x: Array, cos: Array, sin: Array, mask: Array, cache: tuple[Array, Array] | None,
                  layer: Array, cache_index: Array) -> tuple[Array, tuple[Array, Array] | None]:
-        """x: [B, T, D]; cos/sin: [B, T, H]; cache: ([L, B, S, K, H], same) or None; mask: [B, 1, T, S'] bool
+        """x: [B, T, D]; cos/sin: [B, T, H]; cache: ([L, B, K, S, H], same) or None; mask: [B, 1, T, S'] bool
         (dense attention), or [B, T] bool key padding when the queries are the keys (blockwise or splash: causal,
         query i sees key j <= i; `Decoder` picks).
 
@@ -189,12 +190,13 @@ class Attention(nn.Module):
         if cache is not None:
             # Write only the T new entries into the full [L, ...] cache (the scan carries it, so XLA updates the
             # buffer in place), then attend over this layer's visible slots.
-            start = (layer, 0, cache_index, 0, 0)
-            cache = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype)[None], start)
+            start = (layer, 0, 0, cache_index, 0)
+            cache = tuple(jax.lax.dynamic_update_slice(c, new.astype(c.dtype).transpose(0, 2, 1, 3)[None], start)
                           for c, new in zip(cache, (key, val)))
             if not in_place:
-                size = (1, x.shape[0], mask.shape[-1], k, h)
-                key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].astype(dt) for c in cache)
+                size = (1, x.shape[0], k, mask.shape[-1], h)
+                key, val = (jax.lax.dynamic_slice(c, (layer, 0, 0, 0, 0), size)[0].transpose(0, 2, 1, 3).astype(dt)
+                            for c in cache)
         if in_place:
             out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1, block_size=cfg.attention_block_size)
         elif mask.ndim == 2:
@@ -252,7 +254,7 @@ def _stacked_layers(cfg: ModelConfig) -> type[nn.Module]:
         # prevent_cse=False is safe (and faster) inside scan.
         layer = nn.remat(layer, prevent_cse=False)
     # The whole cache rides in the carry rather than as scanned xs/ys: scanning it would slice every layer's
-    # [B, S, K, H] out and stack a fresh [L, B, S, K, H] output, i.e. copy the full cache at every decode step.
+    # [B, K, S, H] out and stack a fresh [L, B, K, S, H] output, i.e. copy the full cache at every decode step.
     return nn.scan(
         layer,
         variable_axes={"params": 0},
@@ -276,16 +278,16 @@ def _check_inputs(cfg: ModelConfig, tokens: Array, positions: Array, kv_mask: Ar
         if isinstance(cache_index, int) and cache_index != 0:
             raise ValueError(f"cache_index must be 0 without a cache, got {cache_index}")
         return
-    want = (cfg.num_layers, b, cache.k.shape[2], cfg.num_kv_heads, cfg.head_dim)
+    want = (cfg.num_layers, b, cfg.num_kv_heads, cache.k.shape[3], cfg.head_dim)
     if cache.k.shape != want or cache.v.shape != want:
-        raise ValueError(f"cache k/v must be [layers, batch, max_len, kv_heads, head_dim] = {want}, got "
+        raise ValueError(f"cache k/v must be [layers, batch, kv_heads, max_len, head_dim] = {want}, got "
                          f"{cache.k.shape} / {cache.v.shape}")
-    if kv_mask.shape != (b, want[2]):
-        raise ValueError(f"kv_mask must be [batch, max_len] = {(b, want[2])} with a cache, got {kv_mask.shape}")
+    if kv_mask.shape != (b, want[3]):
+        raise ValueError(f"kv_mask must be [batch, max_len] = {(b, want[3])} with a cache, got {kv_mask.shape}")
     if np.ndim(cache_index) != 0:
         raise ValueError(f"cache_index must be a scalar, got shape {np.shape(cache_index)}")
-    if isinstance(cache_index, int) and not 0 <= cache_index <= want[2] - t:
-        raise ValueError(f"cache_index must be in [0, max_len - time] = [0, {want[2] - t}], got {cache_index}")
+    if isinstance(cache_index, int) and not 0 <= cache_index <= want[3] - t:
+        raise ValueError(f"cache_index must be in [0, max_len - time] = [0, {want[3] - t}], got {cache_index}")
 
 
 class Decoder(nn.Module):
