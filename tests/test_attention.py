@@ -237,7 +237,8 @@ def test_splash_model_forward_grads_and_sampler_match_dense(params):
 def test_default_kernel_per_backend_and_splash_only_on_tpu():
     assert long_attention_kernel(None, "tpu") == "splash"
     assert long_attention_kernel(None, "gpu") == long_attention_kernel(None, "cpu") == "blockwise"
-    assert long_attention_kernel("blockwise", "tpu") == "blockwise" and long_attention_kernel("splash", "cpu") == "splash"
+    assert long_attention_kernel("blockwise", "tpu") == "blockwise"
+    assert long_attention_kernel("splash", "cpu") == "splash"
     check_attention_backend("splash", "tpu")
     check_attention_backend(None, "cpu")
     with pytest.raises(ValueError, match="TPU Pallas kernel"):

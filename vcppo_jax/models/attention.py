@@ -169,11 +169,11 @@ def cache_prefix_attention(q: Array, cache_k: Array, cache_v: Array, layer: Arra
                            block_size: int = 512) -> Array:
     """Attention of T new queries over one layer of a KV cache, reading only the key blocks below `num_keys`.
 
-    A decode step against a static [L, B, K, S, H] cache would otherwise read (and on CPU, copy into the dots'
-    layout) all S slots of every layer at every step, filled or not; here the online softmax of `blockwise_attention`
-    runs over ceil(num_keys / block) blocks sliced straight from the cache, so a step costs what the sequence holds
-    so far. The cache is head-major so that each (row, kv head)'s block is one contiguous [bs, H] matrix, the
-    layout the dots read (with [.., S, K, H] slots, 1.4x slower on CPU at 2k keys). q [B, T, N, H] (N % K == 0);
+    A dense decode step against a static [L, B, K, S, H] cache reads all S slots of every layer at every step, filled
+    or not; here the online softmax of `blockwise_attention` runs over ceil(num_keys / block) blocks sliced straight
+    from the cache, so a step costs what the sequence holds so far. The cache is head-major so that each (row, kv
+    head)'s block is one contiguous [bs, H] matrix, the layout the dots read (the earlier [L, B, S, K, H] cache made
+    4k-token decoding on CPU 1.25x slower). q [B, T, N, H] (N % K == 0);
     cache_k / cache_v [L, B, K, S, H] (read in q's dtype); layer: int32 scalar;
     mask [B, 1, T, S'] bool over the first S' <= S slots, the dense path's (key padding and causality); num_keys:
     int32 scalar <= S', the slots at and after it are invisible to every query. Returns [B, T, N, H] in q's dtype

@@ -51,6 +51,8 @@ def check_attention_backend(impl: str | None, backend: str) -> None:
     if impl == "splash" and backend != "tpu":
         raise ValueError(f"attention_impl='splash' is the TPU Pallas kernel; this run's backend is {backend!r} "
                          "(use 'blockwise', or '' to choose by backend and length)")
+
+
 # Required keys (besides 'rope_type') of each supported RoPE scaling variant, as spelled in HF configs.
 _ROPE_KEYS = {
     "default": (),

@@ -170,7 +170,7 @@ class Attention(nn.Module):
         (dense attention), or [B, T] bool key padding when the queries are the keys (blockwise or splash: causal,
         query i sees key j <= i; `Decoder` picks).
 
-        With a cache, the T new keys/values are written at [layer, :, cache_index:cache_index + T] and the queries
+        With a cache, the T new keys/values are written at [layer, :, :, cache_index:cache_index + T] and the queries
         attend to this layer's first S' <= S slots (S' = mask.shape[-1]; the caller drops slots no query sees).
         """
         cfg = self.cfg
