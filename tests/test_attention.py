@@ -99,6 +99,8 @@ def test_errors():
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
                   rope_theta=1000.0, attention_impl="xla")
 BLOCKWISE = CFG.replace(attention_impl="blockwise", attention_block_size=8)
+SPLASH = CFG.replace(attention_impl="splash")  # off TPU: Pallas's interpreter (the model passes interpret=True)
+KERNELS = {"blockwise": BLOCKWISE, "splash": SPLASH}
 
 
 @pytest.fixture(scope="module")
@@ -111,25 +113,27 @@ def model_loss(cfg, params, tokens, mask, weights):
     return jnp.sum(hidden * weights), hidden
 
 
-def test_model_forward_and_grads_match_dense(params):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_model_forward_and_grads_match_dense(params, kernel):
     rs = np.random.RandomState(1)
     mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
     tokens = jnp.where(mask, jnp.asarray(rs.randint(1, CFG.vocab_size, (B, T))), 0)
     weights = jnp.asarray(rs.randn(B, T, CFG.hidden_size), jnp.float32) * mask[:, :, None]
     fn = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))  # noqa: E731
-    (_, hidden), grads = fn(BLOCKWISE)(params, tokens, mask, weights)
+    (_, hidden), grads = fn(KERNELS[kernel])(params, tokens, mask, weights)
     (_, hidden_ref), grads_ref = fn(CFG)(params, tokens, mask, weights)
     real = np.asarray(mask)[:, :, None]
     np.testing.assert_allclose(np.where(real, hidden, 0), np.where(real, hidden_ref, 0), atol=2e-5)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max()), grads, grads_ref)
 
 
-def test_sampler_prefill_blockwise_gives_the_same_tokens(params):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_sampler_prefill_blockwise_or_splash_gives_the_same_tokens(params, kernel):
     rs = np.random.RandomState(2)
     prompt_mask = np.arange(12)[None, :] >= np.array([0, 4, 9])[:, None]
     prompts = np.where(prompt_mask, rs.randint(1, CFG.vocab_size, (3, 12)), 0).astype(np.int32)
     out = [make_sampler(CausalLM(cfg), max_new_tokens=10, eos_id=None, pad_id=0, temperature=0.0)(
-        params["params"], prompts, prompt_mask, jax.random.PRNGKey(0)) for cfg in (CFG, BLOCKWISE)]
+        params["params"], prompts, prompt_mask, jax.random.PRNGKey(0)) for cfg in (CFG, KERNELS[kernel])]
     np.testing.assert_array_equal(out[0].tokens, out[1].tokens)
     np.testing.assert_allclose(out[0].logprobs, out[1].logprobs, atol=1e-5)
 
@@ -168,7 +172,6 @@ def test_cache_prefix_attention_matches_dense_over_the_visible_slots(block_size,
 
 # ------------------------------------------------------------------------------------------ splash (TPU Pallas)
 INTERPRET = jax.default_backend() != "tpu"  # off TPU the same kernel runs in Pallas's interpreter (slow, exact)
-SPLASH = CFG.replace(attention_impl="splash")
 
 
 def splash_inputs(t: int, pads, num_heads: int, num_kv_heads: int, seed: int = 0):
@@ -212,26 +215,6 @@ def test_splash_under_a_mesh_runs_per_shard_and_matches():
 def test_splash_block_sizes():
     assert [splash_block(t, 512) for t in (1, 128, 129, 700, 5000)] == [128, 128, 256, 512, 512]
     assert splash_block(5000, 300) == 256 and splash_block(5000, 64) == 128
-
-
-def test_splash_model_forward_grads_and_sampler_match_dense(params):
-    rs = np.random.RandomState(1)
-    mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
-    tokens = jnp.where(mask, jnp.asarray(rs.randint(1, CFG.vocab_size, (B, T))), 0)
-    weights = jnp.asarray(rs.randn(B, T, CFG.hidden_size), jnp.float32) * mask[:, :, None]
-    fn = lambda cfg: jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))  # noqa: E731
-    (_, hidden), grads = fn(SPLASH)(params, tokens, mask, weights)
-    (_, hidden_ref), grads_ref = fn(CFG)(params, tokens, mask, weights)
-    real = np.asarray(mask)[:, :, None]
-    np.testing.assert_allclose(np.where(real, hidden, 0), np.where(real, hidden_ref, 0), atol=2e-5)
-    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max()), grads, grads_ref)
-    # The sampler's prefill runs splash, its decode steps the cache: the same greedy tokens and log-probs.
-    prompt_mask = np.arange(12)[None, :] >= np.array([0, 4, 9])[:, None]
-    prompts = np.where(prompt_mask, rs.randint(1, CFG.vocab_size, (3, 12)), 0).astype(np.int32)
-    out = [make_sampler(CausalLM(cfg), max_new_tokens=6, eos_id=None, pad_id=0, temperature=0.0)(
-        params["params"], prompts, prompt_mask, jax.random.PRNGKey(0)) for cfg in (CFG, SPLASH)]
-    np.testing.assert_array_equal(out[0].tokens, out[1].tokens)
-    np.testing.assert_allclose(out[0].logprobs, out[1].logprobs, atol=1e-5)
 
 
 def test_default_kernel_per_backend_and_splash_only_on_tpu():
