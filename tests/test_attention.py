@@ -212,6 +212,21 @@ def test_splash_under_a_mesh_runs_per_shard_and_matches():
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-6 * max(1.0, np.abs(w).max())), got, want)
 
 
+def test_splash_model_with_remat_under_a_mesh_matches_unsharded(params):
+    """The model's splash path (inside the layer scan, with remat, shard_map under the mesh): same loss and grads."""
+    cfg = SPLASH.replace(remat=True)
+    rs = np.random.RandomState(5)
+    mask = jnp.asarray(np.arange(T)[None, :] >= PADS[:, None])
+    tokens = jnp.where(mask, jnp.asarray(rs.randint(1, CFG.vocab_size, (B, T))), 0)
+    weights = jnp.asarray(rs.randn(B, T, CFG.hidden_size), jnp.float32) * mask[:, :, None]
+    fn = jax.jit(jax.value_and_grad(functools.partial(model_loss, cfg), has_aux=True))
+    (want, _), want_grads = fn(params, tokens, mask, weights)
+    with sharding.use_mesh(sharding.make_mesh(data=1, fsdp=1, tensor=2, devices=jax.devices()[:2])):
+        (got, _), grads = fn(params, tokens, mask, weights)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, atol=1e-5 * np.abs(w).max()), grads, want_grads)
+
+
 def test_splash_block_sizes():
     assert [splash_block(t, 512) for t in (1, 128, 129, 700, 5000)] == [128, 128, 256, 512, 512]
     assert splash_block(5000, 300) == 256 and splash_block(5000, 64) == 128
