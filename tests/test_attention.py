@@ -128,7 +128,7 @@ def test_model_forward_and_grads_match_dense(params, kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_sampler_prefill_blockwise_or_splash_gives_the_same_tokens(params, kernel):
+def test_sampler_prefill_gives_the_same_tokens(params, kernel):
     rs = np.random.RandomState(2)
     prompt_mask = np.arange(12)[None, :] >= np.array([0, 4, 9])[:, None]
     prompts = np.where(prompt_mask, rs.randint(1, CFG.vocab_size, (3, 12)), 0).astype(np.int32)
