@@ -295,7 +295,6 @@ def spawn(o: dict, timeout: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ parent
-ATTENTIONS = ("auto", "xla", "cudnn", "blockwise")  # auto = by length (ModelConfig.attention_impl '')
 REMATS = {"off": (False,), "on": (True,), "both": (False, True)}
 NAMES = {"grpo": "vcppo_jax GRPO", "vcppo": "vcppo_jax VC-PPO", "trl": "TRL GRPOTrainer"}
 
@@ -332,9 +331,9 @@ def main() -> None:
                         "subprocess (RLIMIT_AS; 0 = none): one that needs more fails with an out-of-memory row. "
                         "Default 16 on CPU, none with a GPU (CUDA reserves address space far beyond what it uses)")
     parser.add_argument("--quick", action="store_true", help=f"preset {PRESETS['quick']}")
-    parser.add_argument("--attention", type=str, default="auto", help=f"comma-separated, of {ATTENTIONS}: our "
-                        "attention kernel(s); auto = by length (blockwise from 1024 tokens, dense below), xla = "
-                        "dense. Each one is measured (TRL has one: torch's sdpa)")
+    parser.add_argument("--attention", type=str, default="auto", help="comma-separated, 'auto' or ModelConfig's "
+                        "ATTENTION_IMPLS: our attention kernel(s); auto = by length (blockwise from 1024 tokens, "
+                        "dense below), xla = dense. Each one is measured (TRL has one: torch's sdpa)")
     parser.add_argument("--remat", nargs="?", const="on", default="off", choices=tuple(REMATS),
                         help="recompute each layer in the backward pass (ours: ModelConfig.remat; TRL: "
                         "gradient_checkpointing) to cut the update's activation memory; 'both' measures off and on")
@@ -345,14 +344,17 @@ def main() -> None:
     if args.child is not None:
         child(json.loads(args.child))
         return
+    from vcppo_jax.models.config import ATTENTION_IMPLS  # noqa: PLC0415 (children import jax after their settings)
+
+    attention_choices = ("auto",) + tuple(i for i in ATTENTION_IMPLS if i)  # auto = by length (attention_impl '')
     opts = dict(PRESETS["quick" if args.quick else "default"])
     opts.update({k: v for k, v in vars(args).items() if k in opts and v is not None})
     peer_lengths = _ints(opts.pop("peer_lengths"), "--peer-lengths", parser)
     peer_lengths = [] if args.no_peers else peer_lengths
     lengths = _ints(opts.pop("lengths"), "--lengths", parser)
     attentions = [a.strip() for a in args.attention.split(",") if a.strip()]
-    if not attentions or set(attentions) - set(ATTENTIONS):
-        parser.error(f"--attention must be a comma-separated list of {ATTENTIONS}, got {args.attention!r}")
+    if not attentions or set(attentions) - set(attention_choices):
+        parser.error(f"--attention must be a comma-separated list of {attention_choices}, got {args.attention!r}")
     if min(v for k, v in opts.items() if k != "iters") < 1 or opts["iters"] < 0 or args.threads < 0 \
             or min(peer_lengths + lengths, default=1) < 1 or (args.memory_cap_gib or 0) < 0:
         parser.error(f"sizes, lengths and threads must be positive, got {opts}, threads={args.threads}")

@@ -143,6 +143,16 @@ def _attention_bwd(block, residuals, d_out):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
+def check_self_attention_inputs(name: str, q: Array, k: Array, v: Array, kv_mask: Array) -> None:
+    """The shapes every memory-linear kernel takes (this one and `splash.splash_attention`): q [B, T, N, H], k = v
+    [B, T, K, H] with N % K == 0, kv_mask [B, T]; raises ValueError naming `name` otherwise."""
+    if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
+        raise ValueError(f"{name}: q [B, T, N, H] and k = v [B, T, K, H] with N % K == 0, got "
+                         f"{q.shape}, {k.shape}, {v.shape}")
+    if kv_mask.shape != q.shape[:2]:
+        raise ValueError(f"{name}: kv_mask must be [B, T] = {q.shape[:2]}, got {kv_mask.shape}")
+
+
 def blockwise_attention(q: Array, k: Array, v: Array, kv_mask: Array, *, block_size: int = 512) -> Array:
     """Causal self-attention with key padding, memory linear in T.
 
@@ -151,11 +161,7 @@ def blockwise_attention(q: Array, k: Array, v: Array, kv_mask: Array, *, block_s
     q's dtype (scores, softmax and accumulation in fp32). `block_size`: the most queries and keys per block (T is
     cut into ceil(T / block_size) equal blocks, the last padded).
     """
-    if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"blockwise_attention: q [B, T, N, H] and k = v [B, T, K, H] with N % K == 0, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    if kv_mask.shape != q.shape[:2]:
-        raise ValueError(f"blockwise_attention: kv_mask must be [B, T] = {q.shape[:2]}, got {kv_mask.shape}")
+    check_self_attention_inputs("blockwise_attention", q, k, v, kv_mask)
     if block_size < 1:
         raise ValueError(f"blockwise_attention: block_size must be >= 1, got {block_size}")
     t = q.shape[1]

@@ -29,6 +29,7 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # 'splash' (`models.splash.splash_attention`, the TPU Pallas kernel) wherever the queries are the keys (training
 # passes, log-probs, values, the sampler's prefill; one-token decode steps read the cache in place).
 ATTENTION_IMPLS = (None, "xla", "cudnn", "blockwise", "splash")
+MEMORY_LINEAR_IMPLS = ("blockwise", "splash")
 BLOCKWISE_MIN_LEN = 1024
 
 
@@ -40,7 +41,7 @@ def long_attention_kernel(impl: str | None, backend: str) -> str:
     without a dense mask: splash on TPU, which takes key padding as segment ids. On GPU, cuDNN's fused kernel
     takes left padding only as a dense [B, 1, T, T] mask, quadratic in T, so long passes there stay blockwise.
     """
-    if impl in ("blockwise", "splash"):
+    if impl in MEMORY_LINEAR_IMPLS:
         return impl
     return "splash" if backend == "tpu" else "blockwise"
 

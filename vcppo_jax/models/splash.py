@@ -24,6 +24,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.sharding import PartitionSpec
 
+from vcppo_jax.models.attention import check_self_attention_inputs
 from vcppo_jax.sharding import fit_spec
 
 Array = jax.Array
@@ -73,11 +74,7 @@ def splash_attention(q: Array, k: Array, v: Array, kv_mask: Array, *, block_size
     Returns [B, T, N, H] in q's dtype. T is padded with padding tokens to a multiple of the kernel's block
     (`splash_block`). `interpret`: run the Pallas interpreter instead of compiling for a TPU.
     """
-    if q.ndim != 4 or k.shape != v.shape or k.shape[:2] != q.shape[:2] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"splash_attention: q [B, T, N, H] and k = v [B, T, K, H] with N % K == 0, got "
-                         f"{q.shape}, {k.shape}, {v.shape}")
-    if kv_mask.shape != q.shape[:2]:
-        raise ValueError(f"splash_attention: kv_mask must be [B, T] = {q.shape[:2]}, got {kv_mask.shape}")
+    check_self_attention_inputs("splash_attention", q, k, v, kv_mask)
     b, t, n, h = q.shape
     kh = k.shape[2]
     block = splash_block(t, block_size)

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
-from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig, long_attention_kernel
+from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, MEMORY_LINEAR_IMPLS, ModelConfig, long_attention_kernel
 from vcppo_jax.models.splash import splash_attention
 
 Array = jax.Array
@@ -350,8 +350,7 @@ class Decoder(nn.Module):
         """A memory-linear kernel (blockwise or splash, `long_attention_kernel`) where the T queries are exactly the
         keys (no cache, or a prefill at slot 0) and the config asks for one (or leaves it to length)."""
         impl = self.cfg.attention_impl
-        return static_index == 0 and (impl in ("blockwise", "splash") or impl is None
-                                      and num_queries >= BLOCKWISE_MIN_LEN)
+        return static_index == 0 and (impl in MEMORY_LINEAR_IMPLS or impl is None and num_queries >= BLOCKWISE_MIN_LEN)
 
     def attend(self, hidden: Array) -> Array:
         """Tied LM head: hidden [..., D] -> fp32 logits [..., vocab] against the embedding matrix."""
