@@ -85,6 +85,7 @@ def main() -> None:
 
     from bench_rl_step import bench_hparams  # noqa: PLC0415 (the update both benchmarks time)
     from vcppo_jax import rl  # noqa: PLC0415
+    from vcppo_jax.compile_options import jit_training  # noqa: PLC0415
     from vcppo_jax.models import CausalLM, ModelConfig, ValueModel, critic_params_from_actor, init_params  # noqa
     from vcppo_jax.optim import init_model_state  # noqa: PLC0415
 
@@ -120,8 +121,8 @@ def main() -> None:
         state = rl.RLState(actor=init_model_state(jax.tree.map(jnp.copy, params), tx), critic=critic_state,
                            ref_params=None,
                            rng=jax.random.key(1), step=jnp.zeros((), jnp.int32))
-        experience, _ = jax.jit(rl.make_experience_fn(hp, actor, critic))(state, rollout)
-        update = jax.jit(rl.make_update_fn(hp, actor, critic, tx, tx if has_critic else None), donate_argnums=0)
+        experience, _ = jit_training(rl.make_experience_fn(hp, actor, critic))(state, rollout)
+        update = jit_training(rl.make_update_fn(hp, actor, critic, tx, tx if has_critic else None), donate_argnums=0)
         t0 = time.perf_counter()
         compiled = update.lower(state, experience).compile()
         compile_s = time.perf_counter() - t0

@@ -117,9 +117,11 @@ def _set_threads(threads: int, torch_too: bool) -> None:
 
         torch.set_num_threads(threads)
     if threads:
-        # Read when the XLA backend starts (first jax computation), so setting it here still applies.
+        # Read when the XLA backend starts (first jax computation), so setting it here still applies. XLA has no
+        # thread-count flag: this keeps its matmuls on one thread (a bare word here, such as TF's
+        # 'intra_op_parallelism_threads=1' we had, makes XLA silently ignore every flag after it).
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{str(threads > 1).lower()} intra_op_parallelism_threads={threads}")
+                                   f"{str(threads > 1).lower()}")
 
 
 def build_checkpoint(folder: str, hidden: int, layers: int, vocab: int, max_len: int, seed: int = 0) -> None:
@@ -159,6 +161,7 @@ def run_ours(o: dict, peaks: Peaks) -> dict:
     import optax  # noqa: PLC0415
 
     from vcppo_jax import rl  # noqa: PLC0415
+    from vcppo_jax.compile_options import jit_training  # noqa: PLC0415
     from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, load_hf_checkpoint  # noqa: PLC0415
     from vcppo_jax.optim import init_model_state  # noqa: PLC0415
     from vcppo_jax.rollout import to_rollout  # noqa: PLC0415
@@ -180,8 +183,8 @@ def run_ours(o: dict, peaks: Peaks) -> dict:
     state = rl.RLState(actor=init_model_state(params, tx), critic=critic_state, ref_params=None,
                        rng=jax.random.key(0), step=jnp.zeros((), jnp.int32))
     sampler = make_sampler(actor, max_new_tokens=r, eos_id=None, pad_id=PAD_ID, temperature=1.0)
-    experience_fn = jax.jit(rl.make_experience_fn(hp, actor, critic))
-    update_fn = jax.jit(rl.make_update_fn(hp, actor, critic, tx, tx if has_critic else None), donate_argnums=0)
+    experience_fn = jit_training(rl.make_experience_fn(hp, actor, critic))
+    update_fn = jit_training(rl.make_update_fn(hp, actor, critic, tx, tx if has_critic else None), donate_argnums=0)
     prompts = np.repeat(prompt_ids(o["prompts"], p, cfg.vocab_size), o["group"], axis=0)  # groups are adjacent
     prompt_mask = np.ones_like(prompts, dtype=bool)
     base_rss = _rss_mib()

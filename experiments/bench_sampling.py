@@ -122,9 +122,10 @@ def main() -> None:
         parser.error(f"--threads must be >= 0, got {args.threads}")
     if args.threads:
         torch.set_num_threads(args.threads)
-        # Read when the XLA backend starts (first jax computation below), so setting it here still applies.
+        # Read when the XLA backend starts (first jax computation below), so setting it here still applies. XLA
+        # has no thread-count flag: this keeps its matmuls on one thread.
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{str(args.threads > 1).lower()} intra_op_parallelism_threads={args.threads}")
+                                   f"{str(args.threads > 1).lower()}")
     opts = dict(PRESETS["quick" if args.quick else "default"])
     opts.update({k: v for k, v in vars(args).items() if k in opts and v is not None})
     if min(opts.values()) < 1 or opts["hidden"] % 64:

@@ -30,6 +30,7 @@ from vcppo_jax import config as config_lib
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import sharding
+from vcppo_jax.compile_options import jit_training
 from vcppo_jax.models import CausalLM, ModelConfig, ValueModel
 from vcppo_jax.optim import ModelState, make_optimizer, train_epochs
 from vcppo_jax.sampling import make_sampler
@@ -91,7 +92,7 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
         tx = make_optimizer(config.optim)
         state = _abstract_state(actor, tx, rt)
         loss_fn = sft_loss_fn(actor, chunk=R)
-        step = jax.jit(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
+        step = jit_training(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
                                                  num_minibatches=1), donate_argnums=0)
         b = config.batch_size
         batch = _batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
@@ -106,7 +107,7 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
     if config.stage in ("value_pretrain", "reward_model"):
         critic, tx = ValueModel(cfg), make_optimizer(config.optim)
         state = _abstract_state(critic, tx, rt)
-        step = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma,
+        step = jit_training(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma,
                                        eos_only=config.stage == "reward_model",
                                        num_minibatches=config.num_minibatches,
                                        truncated_fraction=config.truncated_fraction,
@@ -121,12 +122,12 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
                        critic=_abstract_state(critic, critic_tx, rt) if hp.has_critic else None,
                        ref_params=_abstract_params(actor, rt) if config.kl_coef > 0 else None,
                        rng=key, step=_replicated(rt, jax.ShapeDtypeStruct((), jnp.int32)))
-    experience_fn = jax.jit(rl.make_experience_fn(hp, actor, critic))
+    experience_fn = jit_training(rl.make_experience_fn(hp, actor, critic))
     with rt.context():
         experience, _ = jax.eval_shape(experience_fn, state, rollout)
     experience = jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(rt.mesh)), experience)
-    update_fn = jax.jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx), donate_argnums=0)
+    update_fn = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx), donate_argnums=0)
     # Without a reference policy in the state, the drift probe holds a copy of the SFT params (rl_loop.run_rl).
     sft_copy = _abstract_params(actor, rt) if config.eval_kl_to_sft and state.ref_params is None else None
     return [sampler, ("experience", experience_fn, (state, rollout)), ("update", update_fn, (state, experience))], \

@@ -21,6 +21,7 @@ from vcppo_jax import metrics as metrics_lib
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stage_meta
+from vcppo_jax.compile_options import jit_training
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shift_value_head
@@ -104,8 +105,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
 
     # ---- jitted pure steps -----------------------------------------------------------------------------------
     with rt.context():
-        make_experience = jax.jit(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
-        update = jax.jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
+        make_experience = jit_training(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
+        update = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
                          in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
@@ -120,7 +121,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         if state.ref_params is None:
             sft_params = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
         with rt.context():
-            policy_logprobs = jax.jit(lambda params, tokens, mask: rl.policy_logprobs(
+            policy_logprobs = jit_training(lambda params, tokens, mask: rl.policy_logprobs(
                 actor, params, tokens, mask, prompt_len=P, chunk=hp.logprob_chunk, temperature=hp.temperature)[0])
 
     logger = rt_lib.StepLogger(config, total=config.num_steps, initial=start, desc=config.algorithm,

@@ -14,6 +14,7 @@ from vcppo_jax import losses
 from vcppo_jax import rewards
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stage_meta
+from vcppo_jax.compile_options import jit_training
 from vcppo_jax.data.batching import batch_indices, encode_sft, trim_sft_padding
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
@@ -81,7 +82,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
 
     loss_fn = sft_loss_fn(model, chunk=config.task.max_response_len)
     with rt.context():
-        step_fn = jax.jit(
+        step_fn = jit_training(
             lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
             in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
     sampler = make_sampler(model, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,

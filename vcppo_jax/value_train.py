@@ -24,6 +24,7 @@ from vcppo_jax import gae as gae_lib
 from vcppo_jax import losses
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stage_meta
+from vcppo_jax.compile_options import jit_training
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
 from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
@@ -132,7 +133,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     prov = stage_meta.provenance(config, meta)
 
     with rt.context():
-        step_fn = jax.jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
+        step_fn = jit_training(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
                                           num_minibatches=config.num_minibatches,
                                           truncated_fraction=config.truncated_fraction,
                                           truncated_reward=config.reward_wrong),
