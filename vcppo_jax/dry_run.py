@@ -93,7 +93,7 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
         state = _abstract_state(actor, tx, rt)
         loss_fn = sft_loss_fn(actor, chunk=R)
         step = jit_training(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
-                                                    num_minibatches=1), donate_argnums=0)
+                                                      num_minibatches=1), donate_argnums=0)
         b = config.batch_size
         batch = _batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
                        response_mask=((b, R), jnp.float32))
@@ -108,10 +108,10 @@ def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[l
         critic, tx = ValueModel(cfg), make_optimizer(config.optim)
         state = _abstract_state(critic, tx, rt)
         step = jit_training(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma,
-                                          eos_only=config.stage == "reward_model",
-                                          num_minibatches=config.num_minibatches,
-                                          truncated_fraction=config.truncated_fraction,
-                                          truncated_reward=config.reward_wrong), donate_argnums=0)
+                                            eos_only=config.stage == "reward_model",
+                                            num_minibatches=config.num_minibatches,
+                                            truncated_fraction=config.truncated_fraction,
+                                            truncated_reward=config.reward_wrong), donate_argnums=0)
         # The sampling policy's params stay resident beside the critic's state.
         return [sampler, ("value_step", step, (state, rollout, key))], (state, sampler[2][0])
     hp = rl.RLHparams.from_config(config)

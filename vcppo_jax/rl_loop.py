@@ -107,7 +107,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     with rt.context():
         make_experience = jit_training(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
         update = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
-                            in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
+                              in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)

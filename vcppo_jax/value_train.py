@@ -134,10 +134,10 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
 
     with rt.context():
         step_fn = jit_training(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
-                                             num_minibatches=config.num_minibatches,
-                                             truncated_fraction=config.truncated_fraction,
-                                             truncated_reward=config.reward_wrong),
-                             in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
+                                               num_minibatches=config.num_minibatches,
+                                               truncated_fraction=config.truncated_fraction,
+                                               truncated_reward=config.reward_wrong),
+                               in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
     s = config.sampling
     sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
