@@ -109,9 +109,9 @@ class Peaks:
         return _status_mib("VmHWM") if self._timing else None
 
 
-def _set_threads(threads: int, torch_too: bool) -> None:
-    """One `threads` count for XLA and, in TRL's child only, torch: our child never imports torch (it would add
-    ~180 MiB of RSS that our RL step does not use)."""
+def set_threads(threads: int, torch_too: bool) -> None:
+    """One `threads` count for XLA and, with `torch_too`, torch (bench_sampling; here TRL's child only: our child
+    never imports torch, which would add ~180 MiB of RSS that our RL step does not use)."""
     if threads and torch_too:
         import torch  # noqa: PLC0415
 
@@ -277,7 +277,7 @@ def child(o: dict) -> None:
     if o["memory_cap_gib"]:  # a measurement that does not fit fails alone instead of swapping the machine
         cap = int(o["memory_cap_gib"] * 2**30)
         resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
-    _set_threads(o["threads"], torch_too=o["algo"] == "trl")
+    set_threads(o["threads"], torch_too=o["algo"] == "trl")
     res = (run_trl if o["algo"] == "trl" else run_ours)(o, Peaks())
     print("RESULT " + json.dumps(res), flush=True)
 

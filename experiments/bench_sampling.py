@@ -40,6 +40,7 @@ import transformers as tr
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from the repo root
 from vcppo_jax.models import CausalLM, load_hf_checkpoint  # noqa: E402
 from vcppo_jax.sampling import make_sampler  # noqa: E402
+from bench_rl_step import set_threads  # noqa: E402 (one thread setting for both benchmarks)
 
 PAD_ID = 0
 PRESETS = {
@@ -120,12 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads < 0:
         parser.error(f"--threads must be >= 0, got {args.threads}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-        # Read when the XLA backend starts (first jax computation below), so setting it here still applies. XLA
-        # has no thread-count flag: this keeps its matmuls on one thread.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen="
-                                   f"{str(args.threads > 1).lower()}")
+    set_threads(args.threads, torch_too=True)  # before the first jax computation below, which reads XLA_FLAGS
     opts = dict(PRESETS["quick" if args.quick else "default"])
     opts.update({k: v for k, v in vars(args).items() if k in opts and v is not None})
     if min(opts.values()) < 1 or opts["hidden"] % 64:
