@@ -17,8 +17,13 @@ rule reward. Verifiers never raise and do bounded work per call:
 Final-answer formats:
 * synthetic task: the last `Answer:` line, which must read `Answer: <integer>` (see `ANSWER_PREFIX`); the integer
   must equal the reference string exactly.
-* math tasks (gsm8k, math): the last complete `\\boxed{...}` (nested braces), else the text after the last `####`,
-  else the text after the last `Answer:`; equivalence by a cheap string/number check first, then `math_verify`.
+* math tasks (gsm8k, math, word_problems): the last complete `\\boxed{...}` (nested braces), else the text after the
+  last `####`, else the text after the last `Answer:`; equivalence by a cheap string/number check first, then
+  `math_verify`.
+* word_problems also takes a plain "The answer is 12 apples." when there is no box (`ANSWER_PHRASE_TASKS`): between
+  the box and `####`, the last number of the sentence after the last "the answer is" / "the final answer is" (any
+  case; see `answer_after_phrase`). gsm8k and math keep the stricter formats: a number pulled out of free text is
+  unsafe for MATH's symbolic answers, and changing gsm8k's reward would change its published runs.
 """
 
 from __future__ import annotations
@@ -36,7 +41,9 @@ MAX_RESPONSE_CHARS = 4096
 MAX_ANSWER_CHARS = 200
 MAX_EXPONENT_DIGITS = 4
 SYMPY_TIMEOUT_S = 5.0
-TASKS = ('synthetic', 'gsm8k', 'math')
+TASKS = ('synthetic', 'gsm8k', 'math', 'word_problems')
+# Math-style tasks whose final answer may also be a number after "The answer is" (their worked solutions say so).
+ANSWER_PHRASE_TASKS = ('word_problems',)
 
 Verifier = Callable[[str, str], float]
 
@@ -49,6 +56,11 @@ _FRAC_RE = re.compile(r'^([+-]?)\\[dt]?frac\{([+-]?\d+)\}\{([+-]?\d+)\}$')
 _FRAC_SHORT_RE = re.compile(r'^([+-]?)\\[dt]?frac(\d)(\d)$')
 _SLASH_RE = re.compile(r'^([+-]?\d+)/([+-]?\d+)$')
 _TEXT_RE = re.compile(r'\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}')
+_ANSWER_PHRASE_RE = re.compile(r'\bthe (?:final )?answer is\b', re.IGNORECASE)
+_SENTENCE_END_RE = re.compile(r'\n|\.(?=\s|$)')
+# A number standing on its own: not part of a word, a fraction (`1/2`, `\frac{1}{2}`), a power or an index, so
+# "The answer is 1/2" yields no number rather than the 2. A leading '-' is kept: "-12" must not read as 12.
+_STANDALONE_NUMBER_RE = re.compile(r'(?<![\w/^{}.,-])-?\d+(?:,\d{3})*(?:\.\d+)?(?![\w/^{}]|\.\d)')
 _HUGE_NUMBER_RE = re.compile(r'\d{%d,}\s*!|\d[eE][+-]?\d{%d,}' % ((MAX_EXPONENT_DIGITS + 1,) * 2))
 
 
@@ -97,12 +109,32 @@ def _after_last(text: str, marker: str) -> str | None:
     return line.strip() or None
 
 
-def extract_math_answer(text: str) -> str | None:
-    """Final answer of a math response: last `\\boxed{}`, else after last `####`, else after last `Answer:`."""
+def answer_after_phrase(text: str) -> str | None:
+    """The last standalone number in the sentence after the last "the answer is" (any case, "final" optional).
+
+    "The answer is 12 apples." -> '12'; "The answer is $12$." -> '12'; "the answer is 5 + 7 = 12" -> '12'; "The
+    answer is 1/2." -> None. The sentence ends at a line break or at a '.' before a space or the end.
+    """
+    text = _tail(text, MAX_RESPONSE_CHARS)
+    matches = list(_ANSWER_PHRASE_RE.finditer(text))
+    if not matches:
+        return None
+    sentence = _SENTENCE_END_RE.split(text[matches[-1].end():], 1)[0]
+    numbers = _STANDALONE_NUMBER_RE.findall(_TEXT_RE.sub(r'\1', sentence))
+    return numbers[-1] if numbers else None
+
+
+def extract_math_answer(text: str, *, answer_phrase: bool = False) -> str | None:
+    """Final answer of a math response: last `\\boxed{}`, else (answer_phrase) the number after the last "The answer
+    is", else after last `####`, else after last `Answer:`."""
     text = _tail(text, MAX_RESPONSE_CHARS)
     boxed = last_boxed(text, max_chars=None)
     if boxed is not None:
         return boxed
+    if answer_phrase:
+        found = answer_after_phrase(text)
+        if found is not None:
+            return found
     for marker in ('####', ANSWER_PREFIX):
         found = _after_last(text, marker)
         if found is not None:
@@ -295,9 +327,10 @@ def make_verifier(task_name: str, *, correct: float = 1.0, wrong: float = -1.0) 
             return pred is not None and pred == str(answer).strip()
     else:
         bounded = BoundedCall(sympy_equal, SYMPY_TIMEOUT_S)
+        answer_phrase = task_name in ANSWER_PHRASE_TASKS
 
         def is_correct(response: str, answer: str) -> bool:
-            pred = extract_math_answer(response)
+            pred = extract_math_answer(response, answer_phrase=answer_phrase)
             return pred is not None and math_equal(pred, str(answer), bounded)
 
     def verifier(response_text: str, answer: str) -> float:
