@@ -128,6 +128,25 @@ def test_greedy_matches_uncached_argmax_and_stops_at_eos(greedy_out, greedy_refe
     assert int(out.num_steps) == R - 1
 
 
+def test_several_stop_ids_end_a_row_at_the_first_of_them(params, prompts, greedy_reference, eos_id):
+    """eos_id=(a, b): each row ends at its first a or b (a chat template's end-of-turn token beside EOS), equal to
+    the uncached argmax up to there; `stop_ids` tells `decode_responses` what to cut."""
+    ref_tokens, _ = greedy_reference
+    # A second stop token that some row emits before its first eos_id (so both ids end some row).
+    first = lambda row, tok: int(np.argmax(row == tok)) if tok in row else R  # noqa: E731
+    other = next(int(t) for t in np.unique(ref_tokens) if t != eos_id
+                 and any(first(row, t) < min(first(row, eos_id), R - 1) for row in ref_tokens))
+    fn = make_sampler(MODEL, max_new_tokens=R, eos_id=(eos_id, other), pad_id=PAD_ID, temperature=0.0)
+    assert fn.stop_ids == (eos_id, other)
+    out = jax.device_get(fn(params, *prompts, RNG))
+    want_len = np.array([min(first(row, eos_id), first(row, other), R - 1) + 1 for row in ref_tokens])
+    np.testing.assert_array_equal(out.lengths, want_len)
+    valid = np.arange(R)[None, :] < want_len[:, None]
+    np.testing.assert_array_equal(out.tokens[:, P:], np.where(valid, ref_tokens, PAD_ID))
+    ended = {int(out.tokens[b, P + n - 1]) for b, n in enumerate(out.lengths) if n < R}
+    assert ended == {eos_id, other}
+
+
 def test_one_token_prompts(params):
     """P = 1: the prefill is a single new token too (its mask covers one slot, not the cache): same tokens as the
     step-by-step uncached argmax."""
@@ -301,6 +320,14 @@ def test_decode_responses_stops_before_eos():
     out = SampleOutput(tokens=np.array(rows), response_mask=(np.arange(r) < lengths[:, None]).astype(np.float32),
                        lengths=lengths, logprobs=np.zeros((3, r), np.float32), num_steps=np.int32(r - 1))
     assert decode_responses(tok, out) == ["12+3", "7", "999999"]  # last row hit max_new_tokens: nothing cut
+    # Several stop ids (EOS and a chat end-of-turn token): whichever a row ends with is cut, nothing else.
+    seven = tok.convert_tokens_to_ids("7")
+    assert decode_responses(tok, out, eos_id=(tok.eos_token_id, seven)) == ["12+3", "7", "999999"]
+    rows = np.array(rows)
+    rows[1, 3 + 1] = seven  # row 1 now ends "7" then the end-of-turn stand-in "7" instead of EOS
+    out = out._replace(tokens=rows)
+    assert decode_responses(tok, out, eos_id=(tok.eos_token_id, seven)) == ["12+3", "7", "999999"]
+    assert decode_responses(tok, out) == ["12+3", "77", "999999"]
 
 
 def test_input_validation(params, prompts):
@@ -308,7 +335,9 @@ def test_input_validation(params, prompts):
     ok = dict(max_new_tokens=R, eos_id=1, pad_id=PAD_ID)
     bad = [
         (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
-        (dict(eos_id=CFG.vocab_size), r"eos_id must be None or an int in \[0, vocab_size\) = \[0, 64\)"),
+        (dict(eos_id=CFG.vocab_size), r"eos_id must be None, an int or a sequence of ints in \[0, vocab_size\) = "
+                                      r"\[0, 64\)"),
+        (dict(eos_id=(1, -1)), r"eos_id must be None, an int or a sequence of ints in \[0, vocab_size\)"),
         (dict(pad_id=-1), r"pad_id must be an int in \[0, vocab_size\)"),
         (dict(temperature=-0.5), "temperature must be a finite number >= 0"),
         (dict(temperature=float("inf")), "temperature must be a finite number >= 0"),

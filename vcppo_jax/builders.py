@@ -1,4 +1,4 @@
-"""Build a run's parts from its config: tokenizer, model config, task records, verifier, data dir."""
+"""Build a run's parts from its config: tokenizer, model config, starting policy, task records, verifier, data dir."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from typing import Any
 import jax
 import ml_collections
 
-from vcppo_jax import rewards
+from vcppo_jax import chat, rewards
+from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax.data import RecordSource, load_task
 from vcppo_jax.models import ModelConfig
+from vcppo_jax.models.hf import is_hf_checkpoint, load_hf_checkpoint
 from vcppo_jax.tokenizer import load_tokenizer, synthetic_tokenizer
 
 
@@ -23,8 +25,44 @@ def data_dir(config: ml_collections.ConfigDict) -> str:
 
 
 def tokenizer(config: ml_collections.ConfigDict):
-    path = config.task.tokenizer_path or (config.model.hf_path if config.model.hf_path else "")
-    return load_tokenizer(path) if path else synthetic_tokenizer()
+    """`task.tokenizer_path`, else the HF folder the policy starts from (`model.hf_path`, or `sft_dir` when it is
+    one), else the synthetic char-level tokenizer."""
+    hf_policy = config.get("sft_dir", "") if is_hf_checkpoint(config.get("sft_dir", "")) else ""
+    path = config.task.tokenizer_path or config.model.hf_path or hf_policy
+    tok = load_tokenizer(path) if path else synthetic_tokenizer()
+    if config.task.chat_template:
+        chat.check_chat_template(tok, path or "the synthetic tokenizer")
+    return tok
+
+
+def stop_ids(config: ml_collections.ConfigDict, tok) -> tuple[int, ...]:
+    """The tokens that end a response: EOS, and with `task.chat_template` the template's end-of-turn token. The last
+    one is what SFT targets end with."""
+    ids = (tok.eos_token_id,)
+    if config.task.chat_template:
+        ids += (chat.end_of_turn_id(tok),)
+    return tuple(dict.fromkeys(ids))  # once each, in order
+
+
+def prompt_source(config: ml_collections.ConfigDict, split: str, tok) -> RecordSource | chat.ChatPrompts:
+    """The task's `split` (`task_source`) as the model is prompted: through `tok`'s chat template with
+    `task.system_prompt` when `task.chat_template`, else the raw text."""
+    source = task_source(config, split)
+    return chat.ChatPrompts(source, tok, config.task.system_prompt) if config.task.chat_template else source
+
+
+def load_policy(sft_dir: str, target) -> dict:
+    """The policy RL and value pretraining start from: the params of the finished SFT run in `sft_dir`, or of the
+    HF (transformers) folder `sft_dir` (a pretrained or instruct model, used without an SFT stage), placed on
+    `target`'s shardings (an unboxed abstract params tree, `Runtime.target`)."""
+    if not is_hf_checkpoint(sft_dir):
+        return ckpt_lib.load_params(sft_dir, target, key="params")
+    params = load_hf_checkpoint(sft_dir)[1]["params"]
+    if jax.tree.structure(params) != jax.tree.structure(target):
+        raise ValueError(f"{sft_dir}: its parameters do not match the model built from its config.json")
+    # Every process holds the whole host array and hands each device its shard (also across hosts).
+    return jax.tree.map(lambda x, t: jax.make_array_from_callback(t.shape, t.sharding,
+                                                                  lambda idx: x[idx].astype(t.dtype)), params, target)
 
 
 def task_source(config: ml_collections.ConfigDict, split: str) -> RecordSource:

@@ -77,6 +77,11 @@ def task_config() -> ml_collections.ConfigDict:
                                              num_train=10000, num_test=500, seed=0)),
         max_prompt_len=24,
         max_response_len=112,
+        # An instruct model's prompt format: each question becomes a user turn of the tokenizer's chat template
+        # (after `system_prompt`; '' = the template's default system turn, if it has one), and a response also
+        # ends at the template's end-of-turn token (vcppo_jax/chat.py). Applies to every stage and evaluation.
+        chat_template=False,
+        system_prompt="",
     ))
 
 
@@ -333,6 +338,12 @@ def _validate_common(c) -> None:
     _check_choice(c, "task.name", TASKS)
     _check_int(c, "task.max_prompt_len", 1)
     _check_int(c, "task.max_response_len", 1)
+    if not isinstance(c.task.chat_template, bool):
+        _fail("task.chat_template", c.task.chat_template, "must be True or False")
+    if not isinstance(c.task.system_prompt, str):
+        _fail("task.system_prompt", c.task.system_prompt, "must be a string ('' = the template's default)")
+    if c.task.system_prompt and not c.task.chat_template:
+        _fail("task.system_prompt", c.task.system_prompt, "needs task.chat_template=True (it is a chat turn)")
     for axis in ("data", "fsdp", "tensor"):
         v = c.mesh[axis]
         if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):

@@ -32,6 +32,7 @@ from vcppo_jax import runtime as rt_lib
 from vcppo_jax import sharding
 from vcppo_jax.compile_options import jit_training
 from vcppo_jax.models import CausalLM, ModelConfig, ValueModel
+from vcppo_jax.models.hf import is_hf_checkpoint
 from vcppo_jax.optim import ModelState, make_optimizer, train_epochs
 from vcppo_jax.sampling import make_sampler
 from vcppo_jax.sft import sft_loss_fn
@@ -41,9 +42,11 @@ MIB = 2 ** 20
 
 
 def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The stage's model from its config alone: `model.hf_path`'s config.json, or the from-scratch fields."""
-    if config.model.hf_path:
-        path = os.path.join(config.model.hf_path, "config.json")
+    """The stage's model from its config alone: the config.json of `model.hf_path` or of an HF folder `sft_dir`,
+    or the from-scratch fields."""
+    folder = config.model.hf_path or (config.get("sft_dir", "") if is_hf_checkpoint(config.get("sft_dir", "")) else "")
+    if folder:
+        path = os.path.join(folder, "config.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"dry run: {path} not found (model.hf_path must be a HF model folder)")
         with open(path) as f:
@@ -73,7 +76,7 @@ def _replicated(rt, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
 def _sampler_program(actor: CausalLM, config, rt, batch: int, tok, temperature: float):
     """(name, jitted sampler, abstract args) for `batch` prompts of task.max_prompt_len."""
     s = config.sampling
-    fn = make_sampler(actor, max_new_tokens=config.task.max_response_len, eos_id=tok.eos_token_id,
+    fn = make_sampler(actor, max_new_tokens=config.task.max_response_len, eos_id=builders.stop_ids(config, tok),
                       pad_id=tok.pad_token_id, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
                       kv_cache_dtype=s.kv_cache_dtype)
     P = config.task.max_prompt_len

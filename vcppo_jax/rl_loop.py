@@ -61,8 +61,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         stage_meta.finished_meta(config.critic_dir, config.critic_init)
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
     tok = builders.tokenizer(config)
-    train = builders.task_source(config, config.task.train_split)
-    test = builders.task_source(config, config.task.test_split)
+    train = builders.prompt_source(config, config.task.train_split, tok)
+    test = builders.prompt_source(config, config.task.test_split, tok)
     verifier = builders.verifier(config)
     actor, critic = CausalLM(cfg), (ValueModel(cfg) if hp.has_critic else None)
     actor_tx = make_optimizer(config.actor_optim)
@@ -81,7 +81,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         layout["ref_params"] = actor_params_abs
 
     def init(shardings) -> dict:
-        policy = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
+        policy = builders.load_policy(config.sft_dir, actor_params_target)
         # Copies: the state is donated to `update`, and device_put would alias `key` / `policy` buffers.
         state = {"actor": rt_lib.model_state_to_dict(init_model_state(policy, actor_tx)), "rng": jnp.copy(key),
                  "step": np.zeros((), np.int32)}
@@ -108,10 +108,10 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         make_experience = jit_training(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
         update = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
                               in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
-    s = config.sampling
-    sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+    s, stop = config.sampling, builders.stop_ids(config, tok)
+    sampler = make_sampler(actor, max_new_tokens=R, eos_id=stop, pad_id=tok.pad_token_id,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
-    greedy = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+    greedy = make_sampler(actor, max_new_tokens=R, eos_id=stop, pad_id=tok.pad_token_id,
                           temperature=0.0, kv_cache_dtype=s.kv_cache_dtype)
     # Drift control: KL(policy || SFT policy) on the probe prompts (the first `eval_prompts` test records).
     # With a KL penalty the state already holds the SFT policy (`ref_params`); it is read from the live state at
@@ -119,7 +119,7 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
     sft_params = None
     if config.eval_kl_to_sft:
         if state.ref_params is None:
-            sft_params = ckpt_lib.load_params(config.sft_dir, actor_params_target, key="params")
+            sft_params = builders.load_policy(config.sft_dir, actor_params_target)
         with rt.context():
             policy_logprobs = jit_training(lambda params, tokens, mask: rl.policy_logprobs(
                 actor, params, tokens, mask, prompt_len=P, chunk=hp.logprob_chunk, temperature=hp.temperature)[0])

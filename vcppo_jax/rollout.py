@@ -69,7 +69,8 @@ def prompt_batch(source: RecordSource, indices: Sequence[int], tokenizer, *, max
     """Records at `indices`, each repeated `group_size` times in a row (a GRPO group is a consecutive block)."""
     records = source.get_batch(indices)
     records = [r for r in records for _ in range(group_size)]
-    tokens, mask = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_len, truncate=True)
+    tokens, mask = encode_prompts(tokenizer, [r["prompt"] for r in records], max_prompt_len, truncate=True,
+                                  add_special_tokens=not getattr(source, "prompts_have_special_tokens", False))
     return PromptBatch(tokens=tokens, mask=mask, answers=[r["answer"] for r in records])
 
 
@@ -151,7 +152,7 @@ def generate_and_score(sampler: Callable, params, batch: PromptBatch, rng: jax.A
     (rollout, response texts) of those rows."""
     local = batch.rows(io.local_rows(len(batch.answers)))
     out = io.fetch(sampler(params, io.place_batch(local.tokens), io.place_batch(local.mask), rng))
-    texts = decode_responses(tokenizer, out)
+    texts = decode_responses(tokenizer, out, eos_id=getattr(sampler, "stop_ids", None))
     seq_rewards = score_batch(verifier, texts, local.answers)
     return to_rollout(out, local.mask, seq_rewards), texts
 

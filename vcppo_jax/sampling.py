@@ -58,7 +58,7 @@ class SampleOutput(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class _Options:
     max_new_tokens: int
-    eos_id: int | None
+    stop_ids: tuple[int, ...]
     pad_id: int
     temperature: float
     top_k: int
@@ -117,7 +117,7 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
     row_keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(b, dtype=jnp.int32))
     step_keys = lambda t: jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)  # noqa: E731
     last_logits = lambda hidden: model.apply(variables, hidden[:, -1], method=CausalLM.logits)  # noqa: E731
-    is_eos = (lambda tok: tok == opts.eos_id) if opts.eos_id is not None else (lambda tok: jnp.zeros_like(tok, bool))
+    is_eos = lambda tok: jnp.isin(tok, jnp.asarray(opts.stop_ids, jnp.int32))  # noqa: E731 (no stop ids: never)
 
     # Prefill: the prompt's last slot (always real under left padding) predicts response token 0.
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
@@ -165,6 +165,13 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
+def stop_token_ids(eos_id: Any) -> tuple:
+    """`eos_id` as a tuple of stop ids: None -> (), an int -> (id,), a sequence -> its items (unchecked)."""
+    if eos_id is None:
+        return ()
+    return tuple(eos_id) if isinstance(eos_id, (tuple, list)) else (eos_id,)
+
+
 def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, temperature: Any, top_k: Any,
                    top_p: Any, kv_cache_dtype: Any) -> _Options:
     if not isinstance(model, CausalLM):
@@ -172,8 +179,10 @@ def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, te
     vocab = model.cfg.vocab_size
     if not _is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if eos_id is not None and (not _is_int(eos_id) or not 0 <= eos_id < vocab):
-        raise ValueError(f"eos_id must be None or an int in [0, vocab_size) = [0, {vocab}), got {eos_id!r}")
+    stop_ids = stop_token_ids(eos_id)
+    if not all(_is_int(i) and 0 <= i < vocab for i in stop_ids):
+        raise ValueError(f"eos_id must be None, an int or a sequence of ints in [0, vocab_size) = [0, {vocab}), got "
+                         f"{eos_id!r}")
     if not _is_int(pad_id) or not 0 <= pad_id < vocab:
         raise ValueError(f"pad_id must be an int in [0, vocab_size) = [0, {vocab}), got {pad_id!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating)) \
@@ -185,7 +194,7 @@ def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, te
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    return _Options(int(max_new_tokens), None if eos_id is None else int(eos_id), int(pad_id), float(temperature),
+    return _Options(int(max_new_tokens), tuple(int(i) for i in stop_ids), int(pad_id), float(temperature),
                     int(top_k), float(top_p), kv_cache_dtype)
 
 
@@ -209,28 +218,30 @@ def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ public API
-def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | None, pad_id: int,
+def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | Sequence[int] | None, pad_id: int,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kv_cache_dtype: str = "compute"
                  ) -> Callable[[Any, Array, Array, Array], SampleOutput]:
     """Validated, jitted `fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng) -> SampleOutput`.
 
     params: the 'params' collection (`model.apply({'params': params}, ...)`). rng: a PRNG key. Options as in
     `sample`. Calls with the same (model, options) share one `jax.jit` (`fn.__wrapped__`), compiled once per
-    input shapes and shardings.
+    input shapes and shardings. `fn.stop_ids`: the tokens that end a response (what `decode_responses` cuts).
     """
-    jitted = _compiled(model, _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p,
-                                             kv_cache_dtype))
+    opts = _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, kv_cache_dtype)
+    jitted = _compiled(model, opts)
 
     @functools.wraps(jitted)
     def fn(params: Any, prompt_tokens: Array, prompt_mask: Array, rng: Array) -> SampleOutput:
         _check_prompts(prompt_tokens, prompt_mask)
         return jitted(params, prompt_tokens, prompt_mask, rng)
 
+    fn.stop_ids = opts.stop_ids
     return fn
 
 
 def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Array, rng: Array, *,
-           max_new_tokens: int, eos_id: int | None, pad_id: int, temperature: float = 1.0, top_k: int = 0,
+           max_new_tokens: int, eos_id: int | Sequence[int] | None, pad_id: int, temperature: float = 1.0,
+           top_k: int = 0,
            top_p: float = 1.0, kv_cache_dtype: str = "compute") -> SampleOutput:
     """Samples up to `max_new_tokens` tokens after each left-padded prompt.
 
@@ -239,7 +250,8 @@ def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Arra
       prompt_tokens: [B, P] int token ids, LEFT-padded. prompt_mask: [B, P], 1/True for real tokens (>= 1 per
         row, the last column always real).
       rng: PRNG key (unused when temperature == 0).
-      max_new_tokens: R >= 1. eos_id: stop token in [0, vocab), or None for no stop (always R tokens).
+      max_new_tokens: R >= 1. eos_id: stop token in [0, vocab), several (e.g. EOS and a chat template's
+        end-of-turn token: a response ends at the first of them), or None for no stop (always R tokens).
       pad_id: written after EOS. temperature: >= 0, 0 = greedy. top_k: 0 (off) or the number of most likely
         tokens kept. top_p: nucleus mass in (0, 1], 1 = off. Filters apply in the order temperature, top-k,
         top-p (as HF's warpers). kv_cache_dtype: one of KV_CACHE_DTYPES ('compute' = the model's compute
@@ -252,16 +264,17 @@ def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Arra
     return fn(params, prompt_tokens, prompt_mask, rng)
 
 
-def decode_responses(tokenizer: Any, out: SampleOutput, *, eos_id: int | None = None,
+def decode_responses(tokenizer: Any, out: SampleOutput, *, eos_id: int | Sequence[int] | None = None,
                      skip_special_tokens: bool = False) -> list[str]:
-    """Text of each row's response, up to but excluding EOS (eos_id defaults to `tokenizer.eos_token_id`)."""
-    eos_id = tokenizer.eos_token_id if eos_id is None else eos_id
+    """Text of each row's response, up to but excluding its stop token: one of `eos_id` (an id or several; the
+    sampler's `fn.stop_ids`), by default `tokenizer.eos_token_id`."""
+    stop_ids = stop_token_ids(tokenizer.eos_token_id if eos_id is None else eos_id)
     tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
     r = np.shape(out.response_mask)[1]
     texts = []
     for row, n in zip(tokens[:, tokens.shape[1] - r:], lengths):
         ids: Sequence[int] = row[:n].tolist()
-        if ids and eos_id is not None and ids[-1] == eos_id:
+        if ids and ids[-1] in stop_ids:
             ids = ids[:-1]
         texts.append(tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
     return texts

@@ -5,11 +5,18 @@ pipeline), so nothing imports back up.
 
 Provenance: every stage's checkpoint meta records its own run id, the task and model settings it is only valid
 for, and the run ids of the stages it started from (`provenance`).
+
+An HF (transformers) model folder given as `sft_dir` stands for a finished SFT stage: RL and value pretraining
+start from a pretrained or instruct model directly. Its run id is a digest of its files; it was trained for no
+particular task, so it records no settings and is never stale.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import os
 import uuid
 from typing import Any
 
@@ -17,6 +24,7 @@ import ml_collections
 
 from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax.models.hf import hf_model_config, is_hf_checkpoint
 
 ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_reward_model.py",
                "value_pretrain": "experiments/pretrain_value.py", "rl": "experiments/train.py"}
@@ -25,9 +33,34 @@ ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_r
 _QKV_BIAS_OF_OLD_MODEL_TYPES = {"qwen2": True, "llama": False}
 
 
+@functools.lru_cache(maxsize=16)
+def _digest(paths: tuple[tuple[str, int, int], ...]) -> str:
+    """sha256 over the files (path, size, mtime_ns), read once per version of them."""
+    h = hashlib.sha256()
+    for path, _, _ in paths:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def hf_folder_meta(folder: str) -> dict:
+    """The meta a finished SFT run would record, for an HF model folder (module docstring)."""
+    names = sorted(n for n in os.listdir(folder) if n == "config.json" or n.endswith(".safetensors"))
+    stats = tuple((p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in (os.path.join(folder, n) for n in names))
+    return {"stage": "sft", "done": True, "hf_folder": True,
+            "model_config": builders.model_config_to_json(hf_model_config(folder)),
+            "provenance": {"run_id": f"hf-{_digest(stats)}", "settings": None, "upstream": {}}}
+
+
+def read_stage_meta(workdir: str) -> dict | None:
+    """The meta of the run in `workdir` (None: no checkpoint), or of the HF folder `workdir` (`hf_folder_meta`)."""
+    return hf_folder_meta(workdir) if is_hf_checkpoint(workdir) else ckpt_lib.read_meta(workdir)
+
+
 def stage_done(workdir: str) -> bool:
-    """Whether `workdir` holds a finished run (its checkpoint meta says `done`)."""
-    return _done(ckpt_lib.read_meta(workdir))
+    """Whether `workdir` holds a finished run (its checkpoint meta says `done`), or is an HF model folder."""
+    return _done(read_stage_meta(workdir))
 
 
 def _done(meta: dict | None) -> bool:
@@ -36,7 +69,7 @@ def _done(meta: dict | None) -> bool:
 
 def finished_meta(workdir: str, stage: str) -> dict:
     """The meta of the finished `stage` in `workdir`; FileNotFoundError naming the command that makes it."""
-    meta = ckpt_lib.read_meta(workdir)
+    meta = read_stage_meta(workdir)
     if not _done(meta):
         raise FileNotFoundError(f"no finished {stage} checkpoint in {workdir!r}; run "
                                 f"`python {ENTRYPOINTS[stage]} --config=configs/{stage}.py` first (or point the "
@@ -70,7 +103,7 @@ def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def provenance_of(workdir: str) -> dict | None:
     """The `provenance` of the run in `workdir` (None: no checkpoint, or built before provenance was recorded)."""
-    return (ckpt_lib.read_meta(workdir) or {}).get("provenance")
+    return (read_stage_meta(workdir) or {}).get("provenance")
 
 
 def run_id(workdir: str) -> str | None:

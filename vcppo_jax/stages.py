@@ -23,13 +23,13 @@ from typing import Any, Callable
 
 import ml_collections
 
-from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax.dry_run import plan as dry_run_plan
 from vcppo_jax.rl_loop import run_rl
 from vcppo_jax.sft import run_sft
-from vcppo_jax.stage_meta import finished_meta, prerequisites, provenance_of, run_id, settings, stage_done
+from vcppo_jax.stage_meta import (finished_meta, prerequisites, provenance_of, read_stage_meta, run_id, settings,
+                                  stage_done)
 from vcppo_jax.value_train import run_value_training
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
@@ -76,7 +76,7 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
     dirs = dict(prerequisites(config))
     want = settings(config)
     for stage, workdir in dirs.items():
-        meta = ckpt_lib.read_meta(workdir) or {}  # one read per stage: a checkpoint manager each time
+        meta = read_stage_meta(workdir) or {}  # one read per stage: a checkpoint manager each time
         prov = meta.get("provenance") if meta.get("done") else None
         current[stage] = None if prov is None else prov["run_id"]
         if not meta.get("done"):
@@ -85,8 +85,9 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
         if prov is None:
             logging.warning("%s in %s records no provenance (built by an older version); not checked", stage, workdir)
             continue
-        why = [f"its {k} settings {prov['settings'].get(k)} differ from this run's {want[k]}" for k in want
-               if prov["settings"].get(k) != want[k]]
+        recorded = prov["settings"] or {}  # None: an HF model folder, valid for any task
+        why = [f"its {k} settings {recorded.get(k)} differ from this run's {want[k]}" for k in want
+               if prov["settings"] is not None and recorded.get(k) != want[k]]
         for up, up_id in prov["upstream"].items():
             if up in rebuilt:
                 why.append(f"it was built from {up} run {up_id}, which is being rebuilt")

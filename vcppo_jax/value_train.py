@@ -109,13 +109,13 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
     sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
     tok = builders.tokenizer(config)
-    train = builders.task_source(config, config.task.train_split)
+    train = builders.prompt_source(config, config.task.train_split, tok)
     verifier = builders.verifier(config)
     actor, critic = CausalLM(cfg), ValueModel(cfg)
     tx = make_optimizer(config.optim)
     P, R = config.task.max_prompt_len, config.task.max_response_len
 
-    policy = ckpt_lib.load_params(config.sft_dir, rt.target(rt_lib.abstract_params(actor)), key="params")
+    policy = builders.load_policy(config.sft_dir, rt.target(rt_lib.abstract_params(actor)))
 
     def init(shardings):
         if config.critic_init == "reward_model":
@@ -139,7 +139,7 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                                                truncated_reward=config.reward_wrong),
                                in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
     s = config.sampling
-    sampler = make_sampler(actor, max_new_tokens=R, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+    sampler = make_sampler(actor, max_new_tokens=R, eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
     sample_key, update_key = jax.random.split(jax.random.PRNGKey(config.seed))
     logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,

@@ -57,8 +57,9 @@ def _check_texts(name: str, texts: Sequence[str]) -> list[str]:
 
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], max_len: int, *,
-                   truncate: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize (with the tokenizer's special tokens, e.g. BOS) and LEFT-pad to exactly `max_len`.
+                   truncate: bool = False, add_special_tokens: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Tokenize (with the tokenizer's special tokens, e.g. BOS, unless `add_special_tokens=False`: prompts rendered
+    by a chat template hold their own) and LEFT-pad to exactly `max_len`.
 
     Returns tokens: int32 [B, max_len], mask: int32 [B, max_len] (1 on prompt tokens).
     A prompt longer than max_len raises ValueError, or with truncate=True keeps its LAST max_len tokens
@@ -66,7 +67,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], m
     """
     prompts = _check_texts('prompts', prompts)
     _check_positive('max_len', max_len)
-    ids = tokenizer(prompts, add_special_tokens=True)['input_ids']
+    ids = tokenizer(prompts, add_special_tokens=add_special_tokens)['input_ids']
     tokens = np.full((len(ids), max_len), _pad_id(tokenizer), dtype=np.int32)
     mask = np.zeros((len(ids), max_len), dtype=np.int32)
     for i, seq in enumerate(ids):
@@ -84,35 +85,42 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], m
 
 
 def encode_sft(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], targets: Sequence[str],
-               max_prompt_len: int, max_target_len: int, *, truncate: bool = False) -> dict[str, np.ndarray]:
-    """SFT batch in the rollout layout: prompt LEFT-padded to P, target + EOS RIGHT-padded to R.
+               max_prompt_len: int, max_target_len: int, *, truncate: bool = False, add_special_tokens: bool = True,
+               end_id: int | None = None) -> dict[str, np.ndarray]:
+    """SFT batch in the rollout layout: prompt LEFT-padded to P, target + its end token RIGHT-padded to R.
+
+    end_id: the token a target ends with (default EOS; a chat template's end-of-turn token for chat prompts).
+    add_special_tokens: as in `encode_prompts`.
 
     Returns int32 arrays:
       tokens:         [B, P+R]
-      attention_mask: [B, P+R]  1 on prompt and target tokens (incl. EOS)
+      attention_mask: [B, P+R]  1 on prompt and target tokens (incl. the end token)
       prompt_mask:    [B, P]
-      response_mask:  [B, R]    1 on target tokens incl. EOS (the rollout `response_mask`)
+      response_mask:  [B, R]    1 on target tokens incl. the end token (the rollout `response_mask`)
       loss_mask:      [B, P+R]  = [0..0, response_mask]: weight of predicting tokens[:, t] from position t-1
-    A target (+EOS) longer than R raises ValueError, or with truncate=True keeps its first R tokens (no EOS then).
+    A target (+ end token) longer than R raises ValueError, or with truncate=True keeps its first R tokens (no end
+    token then).
     """
     prompts = _check_texts('prompts', prompts)
     targets = _check_texts('targets', targets)
     if len(prompts) != len(targets):
         raise ValueError(f'prompts ({len(prompts)}) and targets ({len(targets)}) must have the same length')
     _check_positive('max_target_len', max_target_len)
-    if tokenizer.eos_token_id is None:
-        raise ValueError('tokenizer has no eos_token_id; SFT targets end with EOS')
-    prompt_tokens, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_len, truncate=truncate)
+    end_id = tokenizer.eos_token_id if end_id is None else end_id
+    if end_id is None:
+        raise ValueError('tokenizer has no eos_token_id and no end_id was given; SFT targets end with one')
+    prompt_tokens, prompt_mask = encode_prompts(tokenizer, prompts, max_prompt_len, truncate=truncate,
+                                                add_special_tokens=add_special_tokens)
     target_ids = tokenizer(targets, add_special_tokens=False)['input_ids']
     batch = len(prompts)
     response = np.full((batch, max_target_len), _pad_id(tokenizer), dtype=np.int32)
     response_mask = np.zeros((batch, max_target_len), dtype=np.int32)
     for i, seq in enumerate(target_ids):
-        seq = list(seq) + [tokenizer.eos_token_id]
+        seq = list(seq) + [end_id]
         if len(seq) > max_target_len:
             if not truncate:
-                raise ValueError(f'targets[{i}] has {len(seq)} tokens with EOS > max_target_len={max_target_len} '
-                                 '(raise max_target_len or pass truncate=True)')
+                raise ValueError(f'targets[{i}] has {len(seq)} tokens with its end token > max_target_len='
+                                 f'{max_target_len} (raise max_target_len or pass truncate=True)')
             seq = seq[:max_target_len]
         response[i, :len(seq)] = seq
         response_mask[i, :len(seq)] = 1

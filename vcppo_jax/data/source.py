@@ -25,6 +25,8 @@ class RecordSource(Sequence[Record]):
     Either `fields` (copy these features, decoded to str) or `transform` (raw decoded example -> record) is given.
     """
 
+    prompts_have_special_tokens = False  # raw task text: encoded with the tokenizer's special tokens (e.g. BOS)
+
     def __init__(self, source: Sequence[Mapping[str, Any]], *, fields: Sequence[str] | None = None,
                  transform: Callable[[dict[str, str]], Record] | None = None):
         if (fields is None) == (transform is None):

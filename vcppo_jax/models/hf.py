@@ -160,6 +160,18 @@ def _load_params(folder: str, cfg: ModelConfig, head: str | None, ignorable: Cal
     return {"params": params}
 
 
+def is_hf_checkpoint(folder: str) -> bool:
+    """Whether `folder` looks like an HF model folder (config.json beside single or sharded safetensors), as opposed
+    to one of our (orbax) run directories."""
+    return bool(folder) and os.path.isfile(os.path.join(folder, "config.json")) and (
+        os.path.isfile(os.path.join(folder, _SINGLE_FILE)) or os.path.isfile(os.path.join(folder, _INDEX_FILE)))
+
+
+def hf_model_config(folder: str, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of an HF folder's config.json (no weights read)."""
+    return _config(folder, overrides)[1]
+
+
 def _config(folder: str, overrides: dict[str, Any]) -> tuple[dict[str, Any], ModelConfig]:
     path = os.path.join(folder, "config.json")
     if not os.path.exists(path):
