@@ -11,23 +11,32 @@
 import json
 import pathlib
 
+import sys
+
 import jax
 import ml_collections
 import numpy as np
 import pytest
+import torch
+import transformers
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+
+import eval_hf  # noqa: E402
 from test_pipeline import tiny_config
 from testutil import random_params
 from vcppo_jax import builders, chat, rollout, stage_meta, stages
+from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax.config import ConfigError, validate
 from vcppo_jax.data import RecordSource
 from vcppo_jax.data.batching import encode_sft
+from vcppo_jax.export import export_policy
 from vcppo_jax.metrics import METRICS_FILE
 from vcppo_jax.models import CausalLM, ModelConfig, load_hf_checkpoint, save_hf_checkpoint
 from vcppo_jax.rewards import make_verifier
-from vcppo_jax.sampling import SampleOutput
-from vcppo_jax.tokenizer import synthetic_tokenizer
+from vcppo_jax.sampling import SampleOutput, make_sampler
+from vcppo_jax.tokenizer import load_tokenizer, synthetic_tokenizer
 
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 # ChatML, as SmolLM2 and Qwen write it (a default system turn when none is given).
@@ -145,6 +154,31 @@ def rl_from_hf(root: pathlib.Path, folder: pathlib.Path, **overrides) -> ml_coll
     return c
 
 
+def check_export_and_independent_eval(config: ml_collections.ConfigDict, out: pathlib.Path) -> None:
+    """The RL policy exported as an HF folder holds the checkpoint's actor; transformers' greedy `generate()` on it
+    (experiments/eval_hf.py) writes the same responses as our greedy sampler, through the same chat template."""
+    export_policy(config, str(out))
+    with pytest.raises(FileExistsError, match="already holds a model"):
+        export_policy(config, str(out))
+    cfg, variables = load_hf_checkpoint(str(out))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    saved = ckpt_lib.load_params(config.workdir, jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), variables["params"]), key="actor/params")
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), saved, variables["params"])
+
+    tok, n = load_tokenizer(str(out)), 4
+    greedy = make_sampler(CausalLM(cfg), max_new_tokens=config.task.max_response_len,
+                          eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id, temperature=0.0)
+    batch = rollout.prompt_batch(builders.prompt_source(config, "test", tok), range(n), tok,
+                                 max_prompt_len=config.task.max_prompt_len)
+    _, ours = rollout.generate_and_score(greedy, variables["params"], batch, jax.random.PRNGKey(0), tok,
+                                        make_verifier(config.task.name))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+    hf_tok = transformers.PreTrainedTokenizerFast.from_pretrained(str(out), padding_side="left")
+    rows = eval_hf.evaluate(model, hf_tok, builders.task_source(config, "test")[:n], config.task, batch=n)
+    assert [r["response"] for r in rows] == ours and any(ours)
+
+
 def test_rl_and_value_pretraining_start_from_an_hf_folder(tmp_path):
     folder = hf_folder(tmp_path / "hf", seed=1)
     meta = stage_meta.finished_meta(str(folder), "sft")
@@ -167,6 +201,7 @@ def test_rl_and_value_pretraining_start_from_an_hf_folder(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "vcppo" / METRICS_FILE).read_text().splitlines()]
     assert any("eval/pass@1" in r for r in records) and any("policy/clipfrac" in r for r in records)
     assert stages.stale_stages(config) == []
+    check_export_and_independent_eval(config, tmp_path / "exported")
 
     # Other weights in the folder: another run id, so the critic fit on the old policy's samples is stale.
     hf_folder(folder, seed=2)

@@ -10,12 +10,16 @@ import json
 import os
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 import torch
 import transformers as tr
 
+from vcppo_jax import builders, chat
+from vcppo_jax.data import RecordSource
 from vcppo_jax.models import CausalLM, gguf, load_hf_checkpoint, position_ids, save_hf_checkpoint
+from vcppo_jax.rollout import prompt_batch
 from vcppo_jax.sampling import make_sampler
 from vcppo_jax.tokenizer import load_tokenizer
 
@@ -242,3 +246,17 @@ def test_overwrite_replaces_the_whole_folder(tmp_path, monkeypatch):
     gguf.convert_gguf(_fake_gguf(tmp_path), str(out), overwrite=True)
     assert os.listdir(out) == ["config.json"]
     assert sorted(os.listdir(tmp_path)) == ["model.gguf", "out"]  # no scratch or old copy left behind
+
+
+def test_chat_prompts_equal_apply_chat_template(folder, tokenizer, prompts, im_end):
+    """Our chat path (task.chat_template, as every stage renders prompts) on the real tokenizer: the same ids as
+    `apply_chat_template(..., add_generation_prompt=True)`, with and without a system prompt; responses stop at
+    <|im_end|>."""
+    records = RecordSource([{"prompt": chat[-1]["content"], "answer": ""} for chat in CHATS], transform=dict)
+    for system, rows in (("", [0, 1]), ("You are a patient teacher.", [2])):
+        batch = prompt_batch(chat.ChatPrompts(records, tokenizer, system), rows, tokenizer, max_prompt_len=64)
+        for got, mask, row in zip(batch.tokens, batch.mask, rows):
+            assert got[mask > 0].tolist() == list(prompts[row])
+    config = ml_collections.ConfigDict({"sft_dir": folder, "model": {"hf_path": ""},
+                                        "task": {"tokenizer_path": "", "chat_template": True, "system_prompt": ""}})
+    assert im_end in builders.stop_ids(config, builders.tokenizer(config))
