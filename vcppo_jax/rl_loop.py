@@ -108,10 +108,10 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         make_experience = jit_training(rl.make_experience_fn(hp, actor, critic), in_shardings=(state_sh, None))
         update = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
                               in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
-    s, stop = config.sampling, builders.stop_ids(config, tok)
-    sampler = make_sampler(actor, max_new_tokens=R, eos_id=stop, pad_id=tok.pad_token_id,
+    s, stop_tokens = config.sampling, builders.stop_ids(config, tok)
+    sampler = make_sampler(actor, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
                            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
-    greedy = make_sampler(actor, max_new_tokens=R, eos_id=stop, pad_id=tok.pad_token_id,
+    greedy = make_sampler(actor, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
                           temperature=0.0, kv_cache_dtype=s.kv_cache_dtype)
     # Drift control: KL(policy || SFT policy) on the probe prompts (the first `eval_prompts` test records).
     # With a KL penalty the state already holds the SFT policy (`ref_params`); it is read from the live state at

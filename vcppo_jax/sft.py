@@ -58,7 +58,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
     tok = builders.tokenizer(config)
     train = builders.prompt_source(config, config.task.train_split, tok)
     test = builders.prompt_source(config, config.task.test_split, tok)
-    stop = builders.stop_ids(config, tok)
+    stop_tokens = builders.stop_ids(config, tok)
     verifier = rewards.make_verifier(config.task.name)  # default +1 / -1: only pass@1 is reported
     if config.model.hf_path:
         cfg, hf_vars = load_hf_checkpoint(config.model.hf_path)
@@ -86,7 +86,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
         step_fn = jit_training(
             lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
             in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    sampler = make_sampler(model, max_new_tokens=R, eos_id=stop, pad_id=tok.pad_token_id,
+    sampler = make_sampler(model, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
                            temperature=0.0, kv_cache_dtype=config.sampling.kv_cache_dtype)
     meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False,
             "provenance": stage_meta.provenance(config, restored_meta)}
@@ -112,7 +112,7 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
                     direct = use_direct_style(idx, config.seed, direct_fraction(config, step))
                     targets = [r["direct"] if d and "direct" in r else r["cot"] for r, d in zip(records, direct)]
                     enc = encode_sft(tok, [r["prompt"] for r in records], targets, P, R, truncate=True,
-                                     add_special_tokens=not train.prompts_have_special_tokens, end_id=stop[-1])
+                                     add_special_tokens=not train.prompts_have_special_tokens, end_id=stop_tokens[-1])
                     if config.pad_to_multiple:  # before the row split: every process keeps the same columns
                         enc = trim_sft_padding(enc, config.pad_to_multiple)
                     num_tokens = int(enc["attention_mask"].sum())
