@@ -14,6 +14,7 @@ then reports its part of the batch data path on a `DATA_PATH <json>` line), and 
     step.
 """
 
+import faulthandler
 import json
 import os
 import pathlib
@@ -90,9 +91,19 @@ def kill_at(point: str, step: int, workdir: str) -> None:
         raise ValueError(f"unknown kill point {point!r}")
 
 
+def enable_stack_dumps() -> None:
+    """Python stacks of every thread into this process's log on a crash (SIGSEGV, SIGABRT: a fatal error in JAX's
+    coordination client or gloo) and on SIGUSR1, which the test sends before it kills a worker that hangs."""
+    faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def main(spec_path: str, process_id: int) -> None:
+    enable_stack_dumps()
     spec = json.loads(open(spec_path).read())
     config = ml_collections.ConfigDict(spec["config"])
+    print(f"worker {process_id} of {spec.get('num_processes', 1)}: pid {os.getpid()}, port {spec.get('port')}",
+          flush=True)
     if spec.get("num_processes", 1) > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         # As a multi-node launch sets them; `make_runtime` joins the processes (maybe_initialize_distributed).

@@ -15,9 +15,11 @@ Fault injection: one process killed with SIGKILL (no handler runs) at three poin
 a step's rollout, during a checkpoint save before orbax commits it, after an update before its save) and rerun each
 time ends with every saved state equal to the uninterrupted run's.
 
-A hang fails the test at `TIMEOUT_S` instead of blocking CI.
+A hang fails the test at `TIMEOUT_S` instead of blocking CI. Every worker writes to tmp/launch_<n>/process_<i>.log;
+a failing test shows each worker's exit code and output tail (and, for a hang, each worker's Python stacks).
 """
 
+import contextlib
 import json
 import os
 import pathlib
@@ -26,6 +28,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 import jax
 import ml_collections
@@ -42,6 +46,8 @@ from vcppo_jax.metrics import METRICS_FILE
 N = 4  # RL steps
 K = 2  # where the 1-process checkpoint is handed over, and where one process is signalled
 TIMEOUT_S = 240
+GRACE_S = 30
+TAIL_CHARS = 4000
 WORKER = pathlib.Path(__file__).with_name("stage_worker.py")
 # Gradients and losses summed in another order: params agree to ~1e-6 after N Adam steps; sampled tokens agree.
 RTOL, ATOL = 1e-4, 1e-5
@@ -66,42 +72,106 @@ def saved_state(workdir, step: int) -> dict:
         return jax.device_get(reader.restore(path, target))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A free TCP port, kept bound until the launch is over. Process 0 binds it for the `jax.distributed`
+    coordinator seconds later, after importing JAX: a port merely found free and released could be taken in between
+    by any socket on the machine (outgoing connections included), and process 0 then dies at start-up ('Failed to add
+    port to server', SIGSEGV) while process 1 waits for a coordinator that never comes. The holding socket is bound,
+    never listening, with SO_REUSEPORT as gRPC's server binds: the coordinator can bind the port beside it, other
+    sockets cannot, and the kernel does not hand it out for outgoing connections."""
+    try:  # dual-stack, as the coordinator binds '[::]:port'
+        s = socket.socket(socket.AF_INET6)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        address = ("::", 0)
+    except OSError:  # no IPv6 here
+        s = socket.socket(socket.AF_INET)
+        address = ("", 0)
+    with s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(address)
+        yield s.getsockname()[1]
+
+
+def new_launch_dir(tmp: pathlib.Path) -> pathlib.Path:
+    """tmp/launch_<n>: the next free one, so the logs of a test's successive launches are all kept."""
+    n = len(list(tmp.glob("launch_*")))
+    path = tmp / f"launch_{n}"
+    path.mkdir()
+    return path
+
+
+def kill_with_stacks(procs: list[subprocess.Popen]) -> None:
+    """Kills hanging workers, each first asked (SIGUSR1, `stage_worker.enable_stack_dumps`) to write where its
+    threads are waiting into its log."""
+    for p in procs:
+        p.send_signal(signal.SIGUSR1)
+    time.sleep(2)  # the dump is written by a C handler at once; this only lets a loaded machine schedule it
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def wait_all(procs: list[subprocess.Popen]) -> str | None:
+    """Waits for every worker: None when all exited, else why the rest were killed. A worker that failed leaves
+    the others waiting in a collective it will never join: they are given GRACE_S to exit, then killed."""
+    deadline, failed_at = time.monotonic() + TIMEOUT_S, None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now > deadline or (failed_at is not None and now > failed_at + GRACE_S):
+            kill_with_stacks([p for p in procs if p.poll() is None])
+            return (f"did not finish within {TIMEOUT_S} s (a collective one process never joined?)"
+                    if failed_at is None else f"still running {GRACE_S} s after another process failed: killed")
+        time.sleep(0.2)
+    return None
+
+
+def launch_report(launch: pathlib.Path, codes: list[int], outs: list[str], killed: str | None) -> str:
+    """Every worker's exit code and the tail of its output (stdout and stderr together), for a failure message."""
+    lines = [f"{len(codes)}-process launch {launch}" + (f": {killed}" if killed else "")]
+    for i, (code, out) in enumerate(zip(codes, outs)):
+        lines += [f"--- process {i}: exit code {code}; last {TAIL_CHARS} characters of {launch}/process_{i}.log:",
+                  out[-TAIL_CHARS:]]
+    return "\n".join(lines)
 
 
 def run_processes(tmp: pathlib.Path, config: ml_collections.ConfigDict, num_processes: int = 2,
                   **spec) -> tuple[list[int], list[str]]:
     """Runs `config` in `num_processes` worker processes (4 fake CPU devices each, or 8 for one); returns their
-    exit codes and stdouts. Fails the test if they have not all exited within TIMEOUT_S."""
-    spec_path = tmp / f"spec_{free_port()}.json"
-    spec_path.write_text(json.dumps(dict(spec, num_processes=num_processes, port=free_port(),
-                                         config=config.to_dict())))
+    exit codes and outputs. Each worker writes to tmp/launch_<n>/process_<i>.log (kept among pytest's tmp dirs);
+    every launch's report (exit codes, output tails) is printed, so pytest shows it with any failure of the test.
+    Fails the test if they have not all exited within TIMEOUT_S."""
+    launch = new_launch_dir(tmp)
+    spec_path = launch / "spec.json"
     devices = 8 if num_processes == 1 else 4
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=jax.config.jax_compilation_cache_dir or "",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(spec_path), str(i)], env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(num_processes)]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT_S)[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        pytest.fail(f"the {num_processes}-process run did not finish within {TIMEOUT_S} s (a collective one "
-                    "process never joined?)")
-    return [p.returncode for p in procs], outs
+    logs = [launch / f"process_{i}.log" for i in range(num_processes)]
+    with reserved_port() as port:
+        spec_path.write_text(json.dumps(dict(spec, num_processes=num_processes, port=port, config=config.to_dict())))
+        procs = []
+        for i, log in enumerate(logs):
+            # A file, not a pipe: a pipe nobody reads while this waits on another process fills and blocks its writer.
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec_path), str(i)], env=env,
+                                              text=True, stdout=f, stderr=subprocess.STDOUT))
+        killed = wait_all(procs)
+    codes, outs = [p.returncode for p in procs], [log.read_text() for log in logs]
+    report = launch_report(launch, codes, outs, killed)
+    print(report)
+    if killed:
+        pytest.fail(report)
+    return codes, outs
 
 
 def run_two_processes(tmp: pathlib.Path, config: ml_collections.ConfigDict, **spec) -> list[str]:
     """Runs `config` in 2 processes; returns their stdouts, asserting both exited 0."""
     codes, outs = run_processes(tmp, config, 2, **spec)
     for i, (code, out) in enumerate(zip(codes, outs)):
-        assert code == 0, f"process {i} exited {code}:\n{out[-4000:]}"
+        assert code == 0, f"process {i} exited {code}"  # the launch's report is printed above
     return outs
 
 
@@ -132,6 +202,22 @@ def assert_close_records(got: list[dict], want: list[dict]):
         assert g.keys() == w.keys()
         for k in w:
             assert g[k] == pytest.approx(w[k], rel=1e-3, abs=1e-4), (g["step"], k)
+
+
+# Process 0 of a launch, as far as binding the coordinator: it crashes (SIGSEGV) when the port is taken.
+BIND_COORDINATOR = """import sys, jax
+jax.distributed.initialize(f"localhost:{sys.argv[1]}", num_processes=1, process_id=0, initialization_timeout=60)
+jax.distributed.shutdown()"""
+
+
+def test_reserved_port_keeps_other_sockets_off_but_not_the_coordinator():
+    with reserved_port() as port:
+        for host in ("127.0.0.1", "0.0.0.0"):
+            with socket.socket() as other, pytest.raises(OSError):  # EADDRINUSE: what the coordinator met
+                other.bind((host, port))
+        bound = subprocess.run([sys.executable, "-c", BIND_COORDINATOR, str(port)], env=dict(os.environ,
+                               JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert bound.returncode == 0, f"exit code {bound.returncode}:\n{bound.stderr[-TAIL_CHARS:]}"
 
 
 @pytest.fixture(scope="module")
