@@ -22,6 +22,7 @@ import transformers
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
+import calibrate_task  # noqa: E402
 import eval_hf  # noqa: E402
 from test_pipeline import tiny_config
 from testutil import random_params
@@ -96,28 +97,32 @@ def test_sft_targets_end_with_end_of_turn():
     assert enc["response_mask"][0].tolist() == [1, 1, 0, 0]
 
 
+def fixed_sampler(texts: list[str], stops: list[int | None], r: int, tok=TOK):
+    """A stand-in sampler: row i writes texts[i] then stops[i] (None: runs into the length limit `r`)."""
+    def sampler(params, tokens, mask, rng):
+        rows, lengths = [], []
+        for text, stop in zip(texts, stops):
+            ids = (tok(text, add_special_tokens=False)["input_ids"] + ([stop] if stop is not None else []))[:r]
+            lengths.append(len(ids))
+            rows.append(ids + [tok.pad_token_id] * (r - len(ids)))
+        lengths = np.array(lengths, np.int32)
+        return SampleOutput(tokens=np.concatenate([tokens, np.array(rows, np.int32)], 1),
+                            response_mask=(np.arange(r) < lengths[:, None]).astype(np.float32), lengths=lengths,
+                            logprobs=np.zeros((len(texts), r), np.float32), num_steps=np.int32(lengths.max() - 1))
+
+    sampler.stop_ids = (tok.eos_token_id, chat.end_of_turn_id(tok))
+    return sampler
+
+
 def test_response_ends_at_end_of_turn_and_reward_sees_the_text_before_it():
     """A stand-in sampler whose rows end at <|im_end|>, at EOS, and at the length limit: the verifier scores the
     text before the stop token ('Answer: 5<|im_end|>' is right: the synthetic verifier wants nothing after the
     number on its line)."""
     eot, r = chat.end_of_turn_id(TOK), 24
     texts = ["so\nAnswer: 5", "Answer: 6", "Answer: 6"]
-    stops = [eot, TOK.eos_token_id, None]
     source = chat.ChatPrompts(RecordSource(list(RECORDS) + [RECORDS[1]], transform=dict), TOK)
     batch = rollout.prompt_batch(source, [0, 1, 2], TOK, max_prompt_len=64)
-
-    def sampler(params, tokens, mask, rng):
-        rows, lengths = [], []
-        for text, stop in zip(texts, stops):
-            ids = TOK(text, add_special_tokens=False)["input_ids"] + ([stop] if stop is not None else [])
-            lengths.append(len(ids))
-            rows.append(ids + [TOK.pad_token_id] * (r - len(ids)))
-        lengths = np.array(lengths, np.int32)
-        return SampleOutput(tokens=np.concatenate([tokens, np.array(rows, np.int32)], 1),
-                            response_mask=(np.arange(r) < lengths[:, None]).astype(np.float32), lengths=lengths,
-                            logprobs=np.zeros((3, r), np.float32), num_steps=np.int32(lengths.max() - 1))
-
-    sampler.stop_ids = (TOK.eos_token_id, eot)
+    sampler = fixed_sampler(texts, [eot, TOK.eos_token_id, None], r)
     seen = []
 
     def verifier(text, answer):
@@ -209,3 +214,21 @@ def test_rl_and_value_pretraining_start_from_an_hf_folder(tmp_path):
     other = rl_from_hf(tmp_path, folder, workdir=str(tmp_path / "vcppo2"))
     (stage, _, why), = stages.stale_stages(other)
     assert stage == "value_pretrain" and meta["provenance"]["run_id"] in why
+
+
+def test_calibration_counts_correct_boxed_and_ended_responses():
+    """experiments/calibrate_task.py's statistics on known responses: right and boxed, right in words, wrong and
+    boxed but cut at the length limit, wrong."""
+    tok = chat_tokenizer()
+    tok.add_tokens(["\\boxed{", "}", "T"])  # beside the char tokenizer's digits and lower-case letters
+    eot, r = chat.end_of_turn_id(tok), 16
+    records = RecordSource([{"prompt": "q", "answer": a} for a in ("5", "6", "7", "8")], transform=dict)
+    # The second ends with its stop token at the length limit; the third runs into it.
+    texts = ["so \\boxed{5}", "The answer is 6", "\\boxed{1} and on and on", "no"]
+    sampler = fixed_sampler(texts, [eot, eot, None, tok.eos_token_id], r, tok)
+    stats = calibrate_task.sample_stats(sampler, None, chat.ChatPrompts(records, tok), tok,
+                                        make_verifier("word_problems"), num=4, batch=4, max_prompt_len=32)
+    lengths = [len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts]
+    lengths[2] = r
+    assert stats["pass@1"] == 0.5 and stats["boxed_fraction"] == 0.5 and stats["ended_fraction"] == 0.75
+    assert stats["response_length_mean"] == pytest.approx(np.mean(lengths))

@@ -274,3 +274,29 @@ def test_real_model_gsm8k_recipe_configs_validate_down_to_their_stages(preset):
     assert sft.model.hf_path == c.model.hf_path and sft.task.to_dict() == c.task.to_dict()
     with pytest.raises(ValueError, match="unknown model preset"):
         _gsm8k_config("llama-7b")
+
+
+def _smollm2_module():
+    spec = importlib.util.spec_from_file_location("smollm2", stages.CONFIG_DIR / "smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_smollm2_presets_share_the_recipe_and_differ_only_in_the_method():
+    module = _smollm2_module()
+    configs = {p: module.get_config(p) for p in module.PRESETS}
+    method = ("algorithm", "advantage", "critic_init", "critic_dir", "lambda_actor", "lambda_critic", "workdir",
+              "stage_overrides")
+    shared = [{k: v for k, v in c.to_dict().items() if k not in method} for c in configs.values()]
+    assert all(s == shared[0] for s in shared)  # prompts, sampling, steps, seed, lrs, evaluation: the same
+    for preset, c in configs.items():
+        config_lib.validate(c)
+        assert c.task.chat_template and c.sft_dir == module.MODEL_DIR and c.kl_coef == 0
+        if c.critic_init in ("value_pretrain", "reward_model"):
+            stage = stages.derived_config(c, c.critic_init, c.critic_dir)
+            assert stage.sft_dir == module.MODEL_DIR and stage.task.to_dict() == c.task.to_dict()
+    assert stage_meta.prerequisites(configs["vcppo"]) == [("sft", module.MODEL_DIR),
+                                                          ("value_pretrain", configs["vcppo"].critic_dir)]
+    with pytest.raises(ValueError, match="unknown preset"):
+        module.get_config("dpo")
