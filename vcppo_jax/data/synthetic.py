@@ -27,14 +27,13 @@ from collections.abc import Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
+from vcppo_jax.data.generated import SPLITS, GeneratedBuilder
 from vcppo_jax.data.source import RecordSource
 from vcppo_jax.rewards import ANSWER_PREFIX
 
 FIELDS = ('prompt', 'answer', 'cot', 'direct')
 OPS = ('+', '+-')
-SPLITS = ('train', 'test')
 _SPLIT_STREAM = {'train': 0, 'test': 1}
 _MAX_TERMS = 32
 _MAX_DIGITS = 9
@@ -185,43 +184,16 @@ def generate_records(cfg: SyntheticConfig, split: str) -> Iterator[dict[str, str
 
 # ----------------------------------------------------------------------------- TFDS builder
 
-class SyntheticArith(tfds.core.GeneratorBasedBuilder):
+class SyntheticArith(GeneratedBuilder):
     """Synthetic long-CoT arithmetic; one builder config per knob setting (see `synthetic_config`)."""
 
     VERSION = tfds.core.Version('1.0.0')
     RELEASE_NOTES = {'1.0.0': 'Digit-level addition/subtraction scratchpad.'}
     BUILDER_CONFIGS = [synthetic_config()]
+    FIELDS = FIELDS
 
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls) -> epath.Path:
-        # TFDS's default lookup imports the py<3.9 backport `importlib_resources`, which is not installed.
-        return epath.Path(__file__)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=__doc__,
-            features=tfds.features.FeaturesDict({k: tfds.features.Text() for k in FIELDS}),
-            # Keep generation order on disk so record i is the i-th generated example.
-            disable_shuffling=True,
-        )
-
-    # TFDS prints "Downloading and preparing dataset Unknown size ..." and "... downloaded and prepared ..." for
-    # every build; nothing is downloaded here, so one line says what happens instead.
-    def _log_download_bytes(self) -> None:
-        print(f'[data] generating {self.name}/{self.builder_config.name} in {self.data_dir}', flush=True)
-
-    def _log_download_done(self) -> None:
-        pass
-
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-        del dl_manager  # nothing to download
-        return {split: self._generate_examples(split) for split in SPLITS}
-
-    def _generate_examples(self, split: str):
-        for i, record in enumerate(generate_records(self.builder_config, split)):
-            yield i, record
+    def generate(self, split: str) -> Iterator[dict[str, str]]:
+        return generate_records(self.builder_config, split)
 
 
 def synthetic_builder(*, data_dir: str, **knobs: int | str) -> SyntheticArith:

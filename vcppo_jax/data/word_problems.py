@@ -29,15 +29,14 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import tensorflow_datasets as tfds
-from etils import epath
 
 # The template knob means what it means for gsm8k/math (one prompt convention for every math-style task).
 from vcppo_jax.data.math_tasks import DEFAULT_TEMPLATE, _check_template
+from vcppo_jax.data.generated import SPLITS, GeneratedBuilder
 from vcppo_jax.data.source import RecordSource
 
 STORED_FIELDS = ('question', 'answer', 'cot')
 FIELDS = ('prompt', 'answer', 'cot')
-SPLITS = ('train', 'test')
 _SPLIT_STREAM = {'train': 0, 'test': 1}
 _MAX_OPS = 16
 _MAX_VALUE = 10 ** 6
@@ -265,42 +264,16 @@ def generate_problems(cfg: WordProblemsConfig, split: str) -> Iterator[Problem]:
 
 # ----------------------------------------------------------------------------- TFDS builder
 
-class WordProblems(tfds.core.GeneratorBasedBuilder):
+class WordProblems(GeneratedBuilder):
     """Arithmetic word problems; one builder config per knob setting (see `word_problems_config`)."""
 
     VERSION = tfds.core.Version('1.0.0')
     RELEASE_NOTES = {'1.0.0': 'Chained +, -, * word problems with a short worked solution.'}
     BUILDER_CONFIGS = [word_problems_config()]
+    FIELDS = STORED_FIELDS
 
-    @tfds.core.utils.classproperty
-    @classmethod
-    def code_path(cls) -> epath.Path:
-        # TFDS's default lookup imports the py<3.9 backport `importlib_resources`, which is not installed.
-        return epath.Path(__file__)
-
-    def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=__doc__,
-            features=tfds.features.FeaturesDict({k: tfds.features.Text() for k in STORED_FIELDS}),
-            # Keep generation order on disk so record i is the i-th generated problem.
-            disable_shuffling=True,
-        )
-
-    # TFDS prints "Downloading and preparing dataset ..." for every build; nothing is downloaded here.
-    def _log_download_bytes(self) -> None:
-        print(f'[data] generating {self.name}/{self.builder_config.name} in {self.data_dir}', flush=True)
-
-    def _log_download_done(self) -> None:
-        pass
-
-    def _split_generators(self, dl_manager: tfds.download.DownloadManager):
-        del dl_manager  # nothing to download
-        return {split: self._generate_examples(split) for split in SPLITS}
-
-    def _generate_examples(self, split: str):
-        for i, problem in enumerate(generate_problems(self.builder_config, split)):
-            yield i, make_record(problem)
+    def generate(self, split: str) -> Iterator[dict[str, str]]:
+        return (make_record(problem) for problem in generate_problems(self.builder_config, split))
 
 
 def word_problems_builder(*, data_dir: str, **knobs: int | str) -> WordProblems:
