@@ -81,3 +81,56 @@ def test_hf_model_from_its_config_json_alone_and_a_plan_that_does_not_fit(tmp_pa
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "sft_step" in out
     assert not (tmp_path / "never_written").exists()
+
+
+def test_flops_count_every_loop_iteration_where_xla_counts_each_body_once():
+    """jaxpr_flops against closed forms: a scan of L matmuls is L * 2*M*N*K (XLA's cost_analysis: one), a cond its
+    costlier branch, a shard_map's per-shard body once per shard; loop-free, it equals XLA's count of the dots."""
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+
+    from vcppo_jax import dry_run  # noqa: PLC0415
+
+    m, k, n, layers = 8, 16, 32, 5
+    x = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    w = jax.ShapeDtypeStruct((layers, k, k), jnp.float32)
+    head = jax.ShapeDtypeStruct((k, n), jnp.float32)
+    one = 2 * m * k * k
+
+    def scanned(x, w, head):
+        x, _ = jax.lax.scan(lambda x, w: (x @ w, None), x, w)
+        return x @ head
+
+    count = lambda f, *a: dry_run.jaxpr_flops(jax.jit(f).trace(*a).jaxpr.jaxpr)  # noqa: E731
+    assert count(scanned, x, w, head) == (layers * one + 2 * m * k * n, True)
+    xla = jax.jit(scanned).lower(x, w, head).compile().cost_analysis()["flops"]
+    assert xla < 2 * one + 2 * m * k * n  # the scanned body once
+
+    loop_free = lambda x, w, head: (x @ w[0] @ w[1]) @ head  # noqa: E731
+    assert count(loop_free, x, w, head)[0] == jax.jit(loop_free).lower(x, w, head).compile().cost_analysis()["flops"]
+    branchy = lambda p, x, w: jax.lax.cond(p, lambda: x @ w[0] @ w[1], lambda: x)  # noqa: E731
+    assert count(branchy, jax.ShapeDtypeStruct((), bool), x, w) == (2 * one, True)
+    looped = lambda x, w: jax.lax.while_loop(lambda c: c[0].sum() < 1, lambda c: (c[0] @ c[1], c[1]), (x, w[0]))[0]
+    assert count(looped, x, w) == (one, False)  # trip count unknown: a lower bound
+
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    spec = jax.sharding.PartitionSpec("data")
+    sharded = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(spec, jax.sharding.PartitionSpec()),
+                            out_specs=spec)
+    assert count(sharded, x, jax.ShapeDtypeStruct((k, k), jnp.float32)) == (one, True)  # 8 shards of m / 8 rows
+
+
+def test_splash_passes_name_their_block_padding_and_the_block_that_pads_less():
+    from vcppo_jax import dry_run  # noqa: PLC0415
+
+    c = stages.load_config_file("vcppo")
+    c.task.update(max_prompt_len=256, max_response_len=1024)
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
+    long_only = dry_run.splash_passes(c, cfg, "tpu")  # default kernel: splash from 1024 tokens, dense below
+    assert [(p["length"], p["block"], p["padded"]) for p in long_only] == [(1280, 512, 1536)]
+    assert "attention_block_size=256 pads to 1280 only" in long_only[0]["fix"]
+    assert dry_run.splash_passes(c, cfg, "cpu") == []  # blockwise there
+    both = dry_run.splash_passes(c, cfg.replace(attention_impl="splash", attention_block_size=200), "tpu")
+    assert [(p["length"], p["block"], p["padded"]) for p in both] == [(1280, 128, 1280), (256, 128, 256)]
+    assert "not a multiple of the kernel's 128 lanes" in both[0]["fix"] and both[1]["fix"] == (
+        "model.attention_block_size=200 is not a multiple of the kernel's 128 lanes: blocks of 128 are used")

@@ -27,6 +27,7 @@ def training_compiler_options(backend: str) -> dict[str, Any] | None:
     return dict(CPU_TRAINING_OPTIONS) if backend == "cpu" else None
 
 
-def jit_training(fn: Callable, **jit_kwargs) -> Callable:
-    """`jax.jit(fn, **jit_kwargs)` compiled with `training_compiler_options` of the default backend."""
-    return jax.jit(fn, compiler_options=training_compiler_options(jax.default_backend()), **jit_kwargs)
+def jit_training(fn: Callable, backend: str | None = None, **jit_kwargs) -> Callable:
+    """`jax.jit(fn, **jit_kwargs)` compiled with `training_compiler_options` of `backend` (default: the default
+    backend's; a dry run for a TPU slice on a CPU host names 'tpu')."""
+    return jax.jit(fn, compiler_options=training_compiler_options(backend or jax.default_backend()), **jit_kwargs)

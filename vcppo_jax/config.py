@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 import ml_collections
 
+from vcppo_jax import tpu_topology
 from vcppo_jax.hooks import GROUP_FILTERS, REWARD_SHAPINGS
 from vcppo_jax.losses import AGG_MODES, KL_KINDS
 from vcppo_jax.models.config import ATTENTION_IMPLS, SUPPORTED_MODEL_TYPES
@@ -116,6 +117,9 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
     # and stop (no weights, data or earlier stages needed; vcppo_jax/dry_run.py). 0 GiB = the device's own memory.
     c.dry_run = False
     c.dry_run_device_memory_gib = 0.0
+    # '' = this host's devices; a TPU slice such as 'v5e:2x4' or 'v4:2x2x4' = compile with the TPU compiler for that
+    # slice's devices, without a TPU (libtpu needed: vcppo_jax/tpu_topology.py), against its chips' HBM.
+    c.dry_run_topology = ""
     return c
 
 
@@ -315,6 +319,15 @@ def _validate_common(c) -> None:
     _check_choice(c, "stage", STAGES)
     _check_int(c, "seed", 0)
     _check_range(c, "dry_run_device_memory_gib", 0.0, float("inf"), hi_open=True)
+    if not isinstance(c.dry_run_topology, str):
+        _fail("dry_run_topology", c.dry_run_topology, "must be a string ('' = this host's devices)")
+    if c.dry_run_topology:
+        if not c.dry_run:
+            _fail("dry_run_topology", c.dry_run_topology, "needs dry_run=True (it only plans; nothing runs there)")
+        try:
+            tpu_topology.check(c.dry_run_topology)
+        except ValueError as e:
+            _fail("dry_run_topology", c.dry_run_topology, str(e))
     if not c.workdir:
         _fail("workdir", c.workdir, "must be a non-empty path")
     m = c.model

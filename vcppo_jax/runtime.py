@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.linen as nn
 import jax
@@ -70,12 +70,14 @@ def batch_sizes(config: ml_collections.ConfigDict) -> dict[str, int]:
     return sizes
 
 
-def make_runtime(config: ml_collections.ConfigDict) -> Runtime:
-    """Mesh from `config.mesh`; checks every batch of the stage divides data*fsdp, and that the attention kernel
-    runs on this backend, before anything compiles."""
+def make_runtime(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None) -> Runtime:
+    """Mesh from `config.mesh` over `devices` (default: all of this run's; a dry run passes a TPU slice's); checks
+    every batch of the stage divides data*fsdp, and that the attention kernel runs on those devices, before anything
+    compiles."""
     sharding.maybe_initialize_distributed()
-    check_attention_backend(config.model.attention_impl or None, jax.default_backend())
-    mesh = sharding.make_mesh(**config.mesh.to_dict())
+    check_attention_backend(config.model.attention_impl or None,
+                            jax.default_backend() if devices is None else devices[0].platform)
+    mesh = sharding.make_mesh(**config.mesh.to_dict(), devices=devices)
     for what, size in batch_sizes(config).items():
         sharding.check_batch_divisible(size, mesh, what=what)
     return Runtime(mesh=mesh, rules=sharding.DEFAULT_LOGICAL_RULES)

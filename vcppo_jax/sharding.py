@@ -105,6 +105,14 @@ def use_mesh(mesh: Mesh, rules: LogicalRules = DEFAULT_LOGICAL_RULES) -> Iterato
         yield
 
 
+def mesh_platform() -> str:
+    """The platform of the active mesh's devices (`use_mesh`), else `jax.default_backend()`: what programs traced
+    now will run on. They differ when a dry run compiles on this host for a TPU slice's devices (tpu_topology)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 # ----------------------------------------------------------------------------------------------
 # Logical rules -> shardings
 # ----------------------------------------------------------------------------------------------

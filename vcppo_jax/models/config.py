@@ -46,6 +46,13 @@ def long_attention_kernel(impl: str | None, backend: str) -> str:
     return "splash" if backend == "tpu" else "blockwise"
 
 
+def uses_memory_linear(impl: str | None, num_queries: int) -> bool:
+    """Whether a pass whose `num_queries` queries are exactly its keys (no cache, or a prefill at slot 0) runs a
+    memory-linear kernel (`long_attention_kernel`): always for 'blockwise' / 'splash', from BLOCKWISE_MIN_LEN
+    tokens for the default (None)."""
+    return impl in MEMORY_LINEAR_IMPLS or impl is None and num_queries >= BLOCKWISE_MIN_LEN
+
+
 def check_attention_backend(impl: str | None, backend: str) -> None:
     """Raises before anything compiles if `impl` cannot run at speed on `backend`: off TPU the splash kernel only
     runs in Pallas's interpreter (the tests' reference check), orders of magnitude slower."""

@@ -31,8 +31,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
-from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, MEMORY_LINEAR_IMPLS, ModelConfig, long_attention_kernel
+from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig, long_attention_kernel, uses_memory_linear
 from vcppo_jax.models.splash import splash_attention
+from vcppo_jax.sharding import mesh_platform
 
 Array = jax.Array
 _INIT_STD = 0.02  # HF initializer_range; random init is only used for from-scratch toy models and tests.
@@ -200,7 +201,7 @@ class Attention(nn.Module):
         if in_place:
             out = cache_prefix_attention(q, *cache, layer, mask, cache_index + 1, block_size=cfg.attention_block_size)
         elif mask.ndim == 2:
-            backend = jax.default_backend()
+            backend = mesh_platform()
             if long_attention_kernel(cfg.attention_impl, backend) == "splash":
                 out = splash_attention(q, key, val, mask, block_size=cfg.attention_block_size,
                                        interpret=backend != "tpu")
@@ -349,8 +350,7 @@ class Decoder(nn.Module):
     def _memory_linear(self, num_queries: int, static_index: int | None) -> bool:
         """A memory-linear kernel (blockwise or splash, `long_attention_kernel`) where the T queries are exactly the
         keys (no cache, or a prefill at slot 0) and the config asks for one (or leaves it to length)."""
-        impl = self.cfg.attention_impl
-        return static_index == 0 and (impl in MEMORY_LINEAR_IMPLS or impl is None and num_queries >= BLOCKWISE_MIN_LEN)
+        return static_index == 0 and uses_memory_linear(self.cfg.attention_impl, num_queries)
 
     def attend(self, hidden: Array) -> Array:
         """Tied LM head: hidden [..., D] -> fp32 logits [..., vocab] against the embedding matrix."""
