@@ -19,7 +19,7 @@ from vcppo_jax.losses import AGG_MODES, KL_KINDS
 from vcppo_jax.models.config import ATTENTION_IMPLS, SUPPORTED_MODEL_TYPES
 from vcppo_jax.rewards import TASKS
 from vcppo_jax.rl import ADVANTAGE_ESTIMATORS
-from vcppo_jax.sampling import KV_CACHE_DTYPES
+from vcppo_jax.sampling import ENGINES, KV_CACHE_DTYPES
 
 STAGES = ("sft", "reward_model", "value_pretrain", "rl")
 CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
@@ -127,7 +127,11 @@ def sampling_config() -> ml_collections.ConfigDict:
     # 0.7: at temperature 1 the tiny CPU policy garbles ~80% of its scratchpads (pass@1 ~0.1 vs ~0.45 greedy), which
     # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
     # kv_cache_dtype: 'compute' (the model's dtype) or 'bfloat16' (half an fp32 model's cache; sampling.py).
-    return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0, kv_cache_dtype="compute"))
+    # engine: 'dense' (every row decodes until the longest ends) or 'slots' (decode_slots slots refilled with the next
+    # prompt as rows end, 0 = batch // 8: on CPU, mixed response lengths then cost what is generated; sampling.py,
+    # experiments/bench_rollout.py). Both sample the same tokens for a row, up to float rounding.
+    return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0, kv_cache_dtype="compute",
+                                          engine="dense", decode_slots=0))
 
 
 def stage_overrides() -> ml_collections.ConfigDict:
@@ -383,6 +387,8 @@ def _validate_sampling(c) -> None:
     _check_int(c, "sampling.top_k", 0)
     _check_range(c, "sampling.top_p", 0.0, 1.0, lo_open=True)
     _check_choice(c, "sampling.kv_cache_dtype", KV_CACHE_DTYPES)
+    _check_choice(c, "sampling.engine", ENGINES)
+    _check_int(c, "sampling.decode_slots", 0)  # 0 = auto (sampling.slot_count)
 
 
 def _validate_minibatching(c, batch: int) -> None:

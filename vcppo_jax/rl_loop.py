@@ -28,7 +28,7 @@ from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor, shi
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer
 from vcppo_jax.rollout import (evaluate, generate_and_score, prompt_batch, sample_filtered, shuffle_rewards,
                                whole_batch_stats, with_seq_rewards)
-from vcppo_jax.sampling import make_sampler
+from vcppo_jax.sampling import sampler_from_config
 
 CRITIC_HINTS = {"value_pretrain": "run experiments/pretrain_value.py first or set config.critic_init",
                 "reward_model": "run experiments/train_reward_model.py first or set config.critic_init"}
@@ -109,10 +109,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
         update = jit_training(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx),
                               in_shardings=(state_sh, None), out_shardings=(state_sh, None), donate_argnums=0)
     s, stop_tokens = config.sampling, builders.stop_ids(config, tok)
-    sampler = make_sampler(actor, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
-    greedy = make_sampler(actor, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
-                          temperature=0.0, kv_cache_dtype=s.kv_cache_dtype)
+    sampler = sampler_from_config(actor, s, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id)
+    greedy = sampler_from_config(actor, s, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id, greedy=True)
     # Drift control: KL(policy || SFT policy) on the probe prompts (the first `eval_prompts` test records).
     # With a KL penalty the state already holds the SFT policy (`ref_params`); it is read from the live state at
     # each eval and passed as an argument, never closed over: `update` donates the state's buffers.
@@ -175,7 +173,8 @@ def run_rl(config: ml_collections.ConfigDict) -> dict:
                         train_rollout = shuffle_rewards(train_rollout, np.random.default_rng([config.seed, step]),
                                                         rows, rt)
                 with timer.section("experience"):
-                    experience, m_exp = make_experience(state, rt.place_batch(train_rollout))
+                    # Blocks: jit returns before the work is done, which would charge it to the update.
+                    experience, m_exp = jax.block_until_ready(make_experience(state, rt.place_batch(train_rollout)))
                 with timer.section("update"):
                     state, m_up = update(state, experience)
                     m, actor_updates = rt.fetch(({**m_exp, **m_up}, state.actor.step))

@@ -8,9 +8,19 @@ prompt's output does not depend on how much left padding the batch gave it.
 Randomness is per row: row b at response step t draws with `fold_in(fold_in(rng, b), t)`, so a row's sample
 depends only on (rng, its index, its own prompt), never on the other rows of the batch.
 
+Two engines (ENGINES), the same output:
+- 'dense': every row decodes until the longest row ends; a step computes all B rows, ended ones included.
+- 'slots': `num_slots` S < B decode slots, each holding one row's KV cache [P + R]; a slot whose row ends (stop
+  token or R tokens) is refilled with the next waiting prompt (a one-row prefill into that slot), so a step
+  computes S rows that are nearly all live. Same per-row keys and cache layout, so each row samples the tokens the
+  dense engine samples (up to float rounding). Where a step's cost grows with its rows (CPU), mixed response
+  lengths then cost what is generated, not B x the longest; on an accelerator a wide batch costs about what a
+  narrow one does, and 'dense' is the right choice.
+
 Use with a mesh: pass batch-sharded prompts (`sharding.shard_batch`) and sharded params, and call inside
 `sharding.use_mesh(mesh)` so the model's logical constraints (and the cache's) are active; B must then be a
-multiple of data * fsdp.
+multiple of data * fsdp. 'slots' runs there too, with any S (its one-row prefills and per-slot steps are resharded
+by XLA: the same samples, not an efficient layout).
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ _CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 # What the KV cache stores: the model's compute dtype, or bfloat16 (half the cache memory of an fp32 model; keys
 # and values are rounded to bf16 when written and attention still runs in the compute dtype).
 KV_CACHE_DTYPES = ("compute", "bfloat16")
+# How a batch is decoded (module docstring): all rows to the longest ('dense'), or refilled decode slots ('slots').
+ENGINES = ("dense", "slots")
 
 
 class SampleOutput(NamedTuple):
@@ -44,8 +56,9 @@ class SampleOutput(NamedTuple):
     logprobs: [B, R] float32, log-prob of each sampled token under the sampling distribution (temperature, then
       top-k / top-p renormalization); greedy (temperature 0): under softmax(logits) at temperature 1. 0 where
       masked.
-    num_steps: [] int32, decode forward passes run after the prefill (max(lengths) - 1: the loop stops once every
-      row has emitted EOS).
+    num_steps: [] int32, decode forward passes run after the prefill. 'dense': of all B rows, max(lengths) - 1
+      (the loop stops once every row has emitted EOS); 'slots': of the S slots, prefills into slots not counted.
+      sum(lengths - 1) / (num_steps * rows per step) is the fraction of decode compute spent on live rows.
     """
 
     tokens: Array
@@ -64,6 +77,8 @@ class _Options:
     top_k: int
     top_p: float
     kv_cache_dtype: str
+    engine: str
+    num_slots: int  # 'slots' only: decode slots (0 = auto, `slot_count`); 0 for 'dense'
 
 
 # ------------------------------------------------------------------------------------------------ token choice
@@ -154,10 +169,111 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
                         lengths=lengths, logprobs=logprobs * response_mask, num_steps=t - 1)
 
 
+def slot_count(num_slots: int, batch: int) -> int:
+    """Decode slots the 'slots' engine runs for `batch` rows: `num_slots` (0 = auto: batch // 8, at least 1),
+    at most `batch`. Auto: on 2 CPU cores a step's cost grows about linearly with its rows, so fewer slots waste
+    less at the tail (the last rows run while the other slots idle) for more, smaller steps. On the long-response
+    workload of experiments/bench_rollout.py (64 rows), 8 slots did best of 4-32 (experiments/results/rollout)."""
+    return max(1, min(num_slots or batch // 8, batch))
+
+
+class _SlotState(NamedTuple):
+    """The 'slots' decode loop's carry. S = slots, B = rows, P + R = cache length."""
+
+    cache: KVCache  # [L, S, K, P + R, H]
+    kv_mask: Array  # [S, P + R] bool: the slot's row's real tokens so far
+    live: Array  # [S] bool: the slot holds a row that still decodes
+    row: Array  # [S] int32: the row a slot serves
+    t: Array  # [S] int32: the response index of the slot's next token
+    prev: Array  # [S] int32: the token fed next (response token t - 1)
+    n_real: Array  # [S] int32: real prompt tokens of the slot's row (position of response token 0)
+    next_row: Array  # [] int32: the first row not yet given a slot (rows are taken in order)
+    response: Array  # [B, R] int32
+    logprobs: Array  # [B, R] float32
+    lengths: Array  # [B] int32
+    num_steps: Array  # [] int32: decode steps run
+
+
+def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array, prompt_mask: Array,
+                    rng: Array) -> SampleOutput:
+    b, p = prompt_tokens.shape
+    r, s = opts.max_new_tokens, slot_count(opts.num_slots, b)
+    variables = {"params": params}
+    prompt_tokens = prompt_tokens.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(bool)
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(b, dtype=jnp.int32))  # as `_generate`
+    is_eos = lambda tok: jnp.isin(tok, jnp.asarray(opts.stop_ids, jnp.int32))  # noqa: E731
+    cache_dtype = None if opts.kv_cache_dtype == "compute" else jnp.dtype(opts.kv_cache_dtype)
+
+    def refill(st: _SlotState) -> _SlotState:
+        """Prefills row `next_row` into the first free slot and samples its response token 0 (`_generate`'s
+        prefill for one row); a row that ends there (stop token, or R = 1) leaves the slot free."""
+        slot, row = jnp.argmin(st.live), st.next_row
+        tokens = jax.lax.dynamic_index_in_dim(prompt_tokens, row, keepdims=True)  # [1, P]
+        mask = jax.lax.dynamic_index_in_dim(prompt_mask, row, keepdims=True)
+        # A P-slot cache at index 0: attention reads only the prompt; then its P columns go into the slot's row.
+        hidden, fresh = model.apply(variables, tokens, position_ids(mask), mask, init_cache(model.cfg, 1, p,
+                                                                                               cache_dtype), 0)
+        cache = KVCache(*(jax.lax.dynamic_update_slice(c, f, (0, slot, 0, 0, 0)) for c, f in zip(st.cache, fresh)))
+        logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
+        token, logp = _choose(logits, jax.random.fold_in(row_keys[row], 0)[None], opts)
+        kv_row = jnp.concatenate([mask[0], jnp.zeros((r,), bool)])
+        return st._replace(
+            cache=_constrain(cache), kv_mask=st.kv_mask.at[slot].set(kv_row),
+            live=st.live.at[slot].set(~is_eos(token[0]) & (r > 1)), row=st.row.at[slot].set(row),
+            t=st.t.at[slot].set(1), prev=st.prev.at[slot].set(token[0]),
+            n_real=st.n_real.at[slot].set(jnp.sum(mask, dtype=jnp.int32)), next_row=row + 1,
+            response=st.response.at[row, 0].set(token[0]), logprobs=st.logprobs.at[row, 0].set(logp[0]),
+            lengths=st.lengths.at[row].set(1))
+
+    def one_row(token: Array, position: Array, kv_mask: Array, k: Array, v: Array, index: Array):
+        """One slot's decode step, vmapped over the slots (each at its own cache index): token/position [],
+        kv_mask [P + R], k/v [L, K, P + R, H] -> (hidden [D], k, v)."""
+        hidden, cache = model.apply(variables, token[None, None], position[None, None], kv_mask[None],
+                                    KVCache(k[:, None], v[:, None]), index)
+        return hidden[0, 0], cache.k[:, 0], cache.v[:, 0]
+
+    def decode(st: _SlotState) -> _SlotState:
+        """Feeds each slot's token t - 1 (cache column P + t - 1) and samples its token t. Free slots compute too
+        (static shapes); what they write is never read: their rows are dropped and a refill resets them."""
+        index = p + st.t - 1
+        kv_mask = st.kv_mask.at[jnp.arange(s), index].set(True)
+        hidden, k, v = jax.vmap(one_row, in_axes=(0, 0, 0, 1, 1, 0), out_axes=(0, 1, 1))(
+            st.prev, st.n_real + st.t - 1, kv_mask, st.cache.k, st.cache.v, index)
+        logits = model.apply(variables, hidden, method=CausalLM.logits)
+        keys = jax.vmap(jax.random.fold_in)(row_keys[st.row], st.t)
+        token, logp = _choose(logits, keys, opts)
+        out_row = jnp.where(st.live, st.row, b)  # b: out of range, dropped
+        return st._replace(
+            cache=_constrain(KVCache(k, v)), kv_mask=kv_mask, live=st.live & ~is_eos(token) & (st.t + 1 < r),
+            t=jnp.minimum(st.t + 1, r), prev=token,
+            response=st.response.at[out_row, st.t].set(token, mode="drop"),
+            logprobs=st.logprobs.at[out_row, st.t].set(logp, mode="drop"),
+            lengths=st.lengths.at[out_row].add(1, mode="drop"), num_steps=st.num_steps + 1)
+
+    def fill(st: _SlotState) -> _SlotState:
+        """Refills free slots while rows wait (a loop of its own: a `lax.cond` choosing refill or decode in one
+        loop made the decode steps ~8% slower on CPU)."""
+        return jax.lax.while_loop(lambda st: (st.next_row < b) & ~jnp.all(st.live), refill, st)
+
+    zeros = jnp.zeros((s,), jnp.int32)
+    init = _SlotState(
+        cache=_constrain(init_cache(model.cfg, s, p + r, cache_dtype)), kv_mask=jnp.zeros((s, p + r), bool),
+        live=jnp.zeros((s,), bool), row=zeros, t=zeros + 1, prev=zeros, n_real=zeros, next_row=jnp.int32(0),
+        response=jnp.full((b, r), opts.pad_id, jnp.int32), logprobs=jnp.zeros((b, r), jnp.float32),
+        lengths=jnp.zeros((b,), jnp.int32), num_steps=jnp.int32(0))
+    # After `fill` either every slot is live or no row waits: no live slot means every row is done.
+    st = jax.lax.while_loop(lambda st: jnp.any(st.live), lambda st: fill(decode(st)), fill(init))
+    response_mask = (jnp.arange(r)[None, :] < st.lengths[:, None]).astype(jnp.float32)
+    return SampleOutput(tokens=jnp.concatenate([prompt_tokens, st.response], axis=1), response_mask=response_mask,
+                        lengths=st.lengths, logprobs=st.logprobs * response_mask, num_steps=st.num_steps)
+
+
 @functools.lru_cache(maxsize=64)
 def _compiled(model: CausalLM, opts: _Options) -> Callable[..., SampleOutput]:
     # One jax.jit per (model, options); jit itself then caches one executable per input shapes/shardings.
-    return jax.jit(functools.partial(_generate, model, opts))
+    generate = _generate_slots if opts.engine == "slots" else _generate
+    return jax.jit(functools.partial(generate, model, opts))
 
 
 # ------------------------------------------------------------------------------------------------ validation
@@ -173,7 +289,7 @@ def stop_token_ids(eos_id: Any) -> tuple:
 
 
 def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, temperature: Any, top_k: Any,
-                   top_p: Any, kv_cache_dtype: Any) -> _Options:
+                   top_p: Any, kv_cache_dtype: Any, engine: Any, num_slots: Any) -> _Options:
     if not isinstance(model, CausalLM):
         raise ValueError(f"model must be a vcppo_jax.models.CausalLM, got {type(model).__name__}")
     vocab = model.cfg.vocab_size
@@ -194,8 +310,12 @@ def _check_options(model: Any, max_new_tokens: Any, eos_id: Any, pad_id: Any, te
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if not _is_int(num_slots) or num_slots < 0:
+        raise ValueError(f"num_slots must be an int >= 0 (0 = auto), got {num_slots!r}")
     return _Options(int(max_new_tokens), tuple(int(i) for i in stop_ids), int(pad_id), float(temperature),
-                    int(top_k), float(top_p), kv_cache_dtype)
+                    int(top_k), float(top_p), kv_cache_dtype, engine, int(num_slots) if engine == "slots" else 0)
 
 
 def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
@@ -219,15 +339,16 @@ def _check_prompts(prompt_tokens: Any, prompt_mask: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------ public API
 def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | Sequence[int] | None, pad_id: int,
-                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kv_cache_dtype: str = "compute"
-                 ) -> Callable[[Any, Array, Array, Array], SampleOutput]:
+                 temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, kv_cache_dtype: str = "compute",
+                 engine: str = "dense", num_slots: int = 0) -> Callable[[Any, Array, Array, Array], SampleOutput]:
     """Validated, jitted `fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng) -> SampleOutput`.
 
     params: the 'params' collection (`model.apply({'params': params}, ...)`). rng: a PRNG key. Options as in
     `sample`. Calls with the same (model, options) share one `jax.jit` (`fn.__wrapped__`), compiled once per
     input shapes and shardings. `fn.stop_ids`: the tokens that end a response (what `decode_responses` cuts).
     """
-    opts = _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, kv_cache_dtype)
+    opts = _check_options(model, max_new_tokens, eos_id, pad_id, temperature, top_k, top_p, kv_cache_dtype, engine,
+                          num_slots)
     jitted = _compiled(model, opts)
 
     @functools.wraps(jitted)
@@ -239,10 +360,24 @@ def make_sampler(model: CausalLM, *, max_new_tokens: int, eos_id: int | Sequence
     return fn
 
 
+def sampler_from_config(model: CausalLM, sampling: Any, *, max_new_tokens: int,
+                        eos_id: int | Sequence[int] | None, pad_id: int, greedy: bool = False
+                        ) -> Callable[[Any, Array, Array, Array], SampleOutput]:
+    """`make_sampler` with a config's `sampling` section (temperature, top_k, top_p, kv_cache_dtype, engine,
+    decode_slots: config.sampling_config): the one place the loops build their samplers. greedy: temperature 0
+    without filters (evaluation), the section's cache dtype and engine kept."""
+    policy = dict(temperature=0.0) if greedy else dict(temperature=sampling.temperature, top_k=sampling.top_k,
+                                                       top_p=sampling.top_p)
+    return make_sampler(model, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
+                        kv_cache_dtype=sampling.kv_cache_dtype, engine=sampling.engine,
+                        num_slots=sampling.decode_slots, **policy)
+
+
 def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Array, rng: Array, *,
            max_new_tokens: int, eos_id: int | Sequence[int] | None, pad_id: int, temperature: float = 1.0,
            top_k: int = 0,
-           top_p: float = 1.0, kv_cache_dtype: str = "compute") -> SampleOutput:
+           top_p: float = 1.0, kv_cache_dtype: str = "compute", engine: str = "dense", num_slots: int = 0
+           ) -> SampleOutput:
     """Samples up to `max_new_tokens` tokens after each left-padded prompt.
 
     Args:
@@ -256,11 +391,13 @@ def sample(model: CausalLM, params: Any, prompt_tokens: Array, prompt_mask: Arra
         tokens kept. top_p: nucleus mass in (0, 1], 1 = off. Filters apply in the order temperature, top-k,
         top-p (as HF's warpers). kv_cache_dtype: one of KV_CACHE_DTYPES ('compute' = the model's compute
         dtype; 'bfloat16' halves an fp32 model's cache).
+      engine: one of ENGINES (module docstring). num_slots: the 'slots' engine's decode slots (0 = auto,
+        `slot_count`; ignored by 'dense').
     Returns:
       SampleOutput; the decode loop stops as soon as every row has emitted EOS.
     """
     fn = make_sampler(model, max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id, temperature=temperature,
-                      top_k=top_k, top_p=top_p, kv_cache_dtype=kv_cache_dtype)
+                      top_k=top_k, top_p=top_p, kv_cache_dtype=kv_cache_dtype, engine=engine, num_slots=num_slots)
     return fn(params, prompt_tokens, prompt_mask, rng)
 
 

@@ -21,7 +21,7 @@ from vcppo_jax.models import CausalLM, init_params, load_hf_checkpoint
 from vcppo_jax.optim import init_model_state, learning_rate, make_optimizer, train_epochs
 from vcppo_jax.rl import policy_logprobs
 from vcppo_jax.rollout import evaluate
-from vcppo_jax.sampling import make_sampler
+from vcppo_jax.sampling import sampler_from_config
 
 
 def use_direct_style(indices: np.ndarray, seed: int, fraction: float) -> np.ndarray:
@@ -86,8 +86,8 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
         step_fn = jit_training(
             lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1, num_minibatches=1),
             in_shardings=(shardings, None), out_shardings=(shardings, None), donate_argnums=0)
-    sampler = make_sampler(model, max_new_tokens=R, eos_id=stop_tokens, pad_id=tok.pad_token_id,
-                           temperature=0.0, kv_cache_dtype=config.sampling.kv_cache_dtype)
+    sampler = sampler_from_config(model, config.sampling, max_new_tokens=R, eos_id=stop_tokens,
+                                  pad_id=tok.pad_token_id, greedy=True)
     meta = {"stage": "sft", "model_config": builders.model_config_to_json(cfg), "done": False,
             "provenance": stage_meta.provenance(config, restored_meta)}
     correct = 1.0

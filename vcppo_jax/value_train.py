@@ -31,7 +31,7 @@ from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
 from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
 from vcppo_jax.rl import Rollout, by_minibatch, critic_values
 from vcppo_jax.rollout import generate_and_score, prompt_batch, whole_batch_stats
-from vcppo_jax.sampling import make_sampler
+from vcppo_jax.sampling import sampler_from_config
 
 
 def value_targets(rewards: jax.Array, seq_rewards: jax.Array, mask: jax.Array, *, gamma: float, eos_only: bool,
@@ -138,9 +138,8 @@ def run_value_training(config: ml_collections.ConfigDict) -> dict:
                                                truncated_fraction=config.truncated_fraction,
                                                truncated_reward=config.reward_wrong),
                                in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
-    s = config.sampling
-    sampler = make_sampler(actor, max_new_tokens=R, eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id,
-                           temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, kv_cache_dtype=s.kv_cache_dtype)
+    sampler = sampler_from_config(actor, config.sampling, max_new_tokens=R, eos_id=builders.stop_ids(config, tok),
+                                  pad_id=tok.pad_token_id)
     sample_key, update_key = jax.random.split(jax.random.PRNGKey(config.seed))
     logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,
                                show=("value/loss", "value/explained_var", "rollout/accuracy"))
