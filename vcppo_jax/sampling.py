@@ -173,7 +173,8 @@ def slot_count(num_slots: int, batch: int) -> int:
     """Decode slots the 'slots' engine runs for `batch` rows: `num_slots` (0 = auto: batch // 8, at least 1),
     at most `batch`. Auto: on 2 CPU cores a step's cost grows about linearly with its rows, so fewer slots waste
     less at the tail (the last rows run while the other slots idle) for more, smaller steps. On the long-response
-    workload of experiments/bench_rollout.py (64 rows), 8 slots did best of 4-32 (experiments/results/rollout)."""
+    workload of experiments/bench_rollout.py (64 rows), 8 slots did best of 4, 8 and 16
+    (experiments/results/rollout)."""
     return max(1, min(num_slots or batch // 8, batch))
 
 
