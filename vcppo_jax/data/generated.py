@@ -3,13 +3,17 @@ per knob setting, records stored in generation order."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
+from typing import TypeVar
 
+import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
 SPLITS = ('train', 'test')
+ConfigT = TypeVar('ConfigT', bound=tfds.core.BuilderConfig)
 
 
 class GeneratedBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -50,3 +54,27 @@ class GeneratedBuilder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
     def _generate_examples(self, split: str):
         yield from enumerate(self.generate(split))
+
+
+def config_with_knobs(config_cls: type[ConfigT], task: str, knobs: dict) -> ConfigT:
+    """`config_cls` (a BuilderConfig dataclass) with `knobs` set, still unnamed; unknown knobs are refused."""
+    fields = {f.name for f in dataclasses.fields(config_cls)} - {f.name for f in
+                                                                 dataclasses.fields(tfds.core.BuilderConfig)}
+    unknown = set(knobs) - fields
+    if unknown:
+        raise ValueError(f'unknown {task} knobs {sorted(unknown)}; allowed: {sorted(fields)}')
+    return config_cls(name='unnamed', **knobs)
+
+
+def check_range(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f'{name} must be an integer in [{low}, {high}], got {value!r}')
+
+
+def prepared(builder_cls: type[GeneratedBuilder], cfg: tfds.core.BuilderConfig, data_dir: str) -> GeneratedBuilder:
+    """The builder for `cfg`, generated in data_dir if it is not there yet."""
+    # TFDS refuses a new config object named like a registered one, so reuse the registered default when it matches.
+    cfg = builder_cls.builder_configs.get(cfg.name, cfg)
+    builder = builder_cls(config=cfg, data_dir=data_dir, file_format='array_record')
+    builder.download_and_prepare()
+    return builder

@@ -28,7 +28,7 @@ from collections.abc import Iterator
 import numpy as np
 import tensorflow_datasets as tfds
 
-from vcppo_jax.data.generated import SPLITS, GeneratedBuilder
+from vcppo_jax.data.generated import SPLITS, GeneratedBuilder, check_range, config_with_knobs, prepared
 from vcppo_jax.data.source import RecordSource
 from vcppo_jax.rewards import ANSWER_PREFIX
 
@@ -53,11 +53,6 @@ class SyntheticConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
-def _check_range(name: str, value: object, low: int, high: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f'{name} must be an integer in [{low}, {high}], got {value!r}')
-
-
 def _num_problems(cfg: SyntheticConfig) -> int:
     """Number of distinct prompts the knobs allow (ops choices counted as free: an upper bound for '+-')."""
     per_term = sum(10 ** d - (10 ** (d - 1) if d > 1 else 0) for d in range(cfg.min_digits, cfg.max_digits + 1))
@@ -67,19 +62,14 @@ def _num_problems(cfg: SyntheticConfig) -> int:
 
 def synthetic_config(**knobs: int | str) -> SyntheticConfig:
     """Validated `SyntheticConfig` whose name encodes every knob (distinct knobs never share a data_dir folder)."""
-    fields = {f.name for f in dataclasses.fields(SyntheticConfig)} - {f.name for f in
-                                                                      dataclasses.fields(tfds.core.BuilderConfig)}
-    unknown = set(knobs) - fields
-    if unknown:
-        raise ValueError(f'unknown synthetic knobs {sorted(unknown)}; allowed: {sorted(fields)}')
-    cfg = SyntheticConfig(name='unnamed', **knobs)
-    _check_range('min_terms', cfg.min_terms, 2, _MAX_TERMS)
-    _check_range('max_terms', cfg.max_terms, cfg.min_terms, _MAX_TERMS)
-    _check_range('min_digits', cfg.min_digits, 1, _MAX_DIGITS)
-    _check_range('max_digits', cfg.max_digits, cfg.min_digits, _MAX_DIGITS)
-    _check_range('num_train', cfg.num_train, 1, 10 ** 7)
-    _check_range('num_test', cfg.num_test, 1, 10 ** 7)
-    _check_range('seed', cfg.seed, 0, 2 ** 31 - 1)
+    cfg = config_with_knobs(SyntheticConfig, 'synthetic', knobs)
+    check_range('min_terms', cfg.min_terms, 2, _MAX_TERMS)
+    check_range('max_terms', cfg.max_terms, cfg.min_terms, _MAX_TERMS)
+    check_range('min_digits', cfg.min_digits, 1, _MAX_DIGITS)
+    check_range('max_digits', cfg.max_digits, cfg.min_digits, _MAX_DIGITS)
+    check_range('num_train', cfg.num_train, 1, 10 ** 7)
+    check_range('num_test', cfg.num_test, 1, 10 ** 7)
+    check_range('seed', cfg.seed, 0, 2 ** 31 - 1)
     if cfg.ops not in OPS:
         raise ValueError(f'ops must be one of {OPS}, got {cfg.ops!r}')
     if 2 * (cfg.num_train + cfg.num_test) > _num_problems(cfg):
@@ -198,12 +188,7 @@ class SyntheticArith(GeneratedBuilder):
 
 def synthetic_builder(*, data_dir: str, **knobs: int | str) -> SyntheticArith:
     """The builder for these knobs, prepared (generated) in data_dir if it is not there yet."""
-    cfg = synthetic_config(**knobs)
-    # TFDS refuses a new config object named like a registered one, so reuse the registered default when it matches.
-    cfg = SyntheticArith.builder_configs.get(cfg.name, cfg)
-    builder = SyntheticArith(config=cfg, data_dir=data_dir, file_format='array_record')
-    builder.download_and_prepare()
-    return builder
+    return prepared(SyntheticArith, synthetic_config(**knobs), data_dir)
 
 
 def load_synthetic(split: str, *, data_dir: str, **knobs: int | str) -> RecordSource:

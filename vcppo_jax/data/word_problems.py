@@ -32,7 +32,7 @@ import tensorflow_datasets as tfds
 
 # The template knob means what it means for gsm8k/math (one prompt convention for every math-style task).
 from vcppo_jax.data.math_tasks import DEFAULT_TEMPLATE, _check_template
-from vcppo_jax.data.generated import SPLITS, GeneratedBuilder
+from vcppo_jax.data.generated import SPLITS, GeneratedBuilder, check_range, config_with_knobs, prepared
 from vcppo_jax.data.source import RecordSource
 
 STORED_FIELDS = ('question', 'answer', 'cot')
@@ -112,11 +112,6 @@ class WordProblemsConfig(tfds.core.BuilderConfig):
     seed: int = 0
 
 
-def _check_range(name: str, value: object, low: int, high: int) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
-        raise ValueError(f'{name} must be an integer in [{low}, {high}], got {value!r}')
-
-
 def _canonical_ops(ops: object) -> str:
     """ops as a subset of OPS in OPS order (so '-+' and '+-' name the same data)."""
     if not isinstance(ops, str) or not ops or set(ops) - set(OPS) or len(set(ops)) != len(ops):
@@ -126,19 +121,14 @@ def _canonical_ops(ops: object) -> str:
 
 def word_problems_config(**knobs: int | str) -> WordProblemsConfig:
     """Validated `WordProblemsConfig` whose name encodes every knob (distinct knobs never share a data_dir folder)."""
-    fields = {f.name for f in dataclasses.fields(WordProblemsConfig)} - {f.name for f in
-                                                                         dataclasses.fields(tfds.core.BuilderConfig)}
-    unknown = set(knobs) - fields
-    if unknown:
-        raise ValueError(f'unknown word_problems knobs {sorted(unknown)}; allowed: {sorted(fields)}')
-    cfg = WordProblemsConfig(name='unnamed', **knobs)
-    _check_range('min_ops', cfg.min_ops, 1, _MAX_OPS)
-    _check_range('max_ops', cfg.max_ops, cfg.min_ops, _MAX_OPS)
-    _check_range('max_value', cfg.max_value, 2, _MAX_VALUE)
-    _check_range('num_templates', cfg.num_templates, 1, MAX_TEMPLATES)
-    _check_range('num_train', cfg.num_train, 1, 10 ** 7)
-    _check_range('num_test', cfg.num_test, 1, 10 ** 7)
-    _check_range('seed', cfg.seed, 0, 2 ** 31 - 1)
+    cfg = config_with_knobs(WordProblemsConfig, 'word_problems', knobs)
+    check_range('min_ops', cfg.min_ops, 1, _MAX_OPS)
+    check_range('max_ops', cfg.max_ops, cfg.min_ops, _MAX_OPS)
+    check_range('max_value', cfg.max_value, 2, _MAX_VALUE)
+    check_range('num_templates', cfg.num_templates, 1, MAX_TEMPLATES)
+    check_range('num_train', cfg.num_train, 1, 10 ** 7)
+    check_range('num_test', cfg.num_test, 1, 10 ** 7)
+    check_range('seed', cfg.seed, 0, 2 ** 31 - 1)
     ops = _canonical_ops(cfg.ops)
     ops_name = '-'.join(_OPERATION[op].name for op in ops)
     name = (f'o{cfg.min_ops}-{cfg.max_ops}_v{cfg.max_value}_{ops_name}_t{cfg.num_templates}'
@@ -278,12 +268,7 @@ class WordProblems(GeneratedBuilder):
 
 def word_problems_builder(*, data_dir: str, **knobs: int | str) -> WordProblems:
     """The builder for these knobs, prepared (generated) in data_dir if it is not there yet."""
-    cfg = word_problems_config(**knobs)
-    # TFDS refuses a new config object named like a registered one, so reuse the registered default when it matches.
-    cfg = WordProblems.builder_configs.get(cfg.name, cfg)
-    builder = WordProblems(config=cfg, data_dir=data_dir, file_format='array_record')
-    builder.download_and_prepare()
-    return builder
+    return prepared(WordProblems, word_problems_config(**knobs), data_dir)
 
 
 def prompt_record(stored: dict[str, str], template: str) -> dict[str, str]:
