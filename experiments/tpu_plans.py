@@ -67,7 +67,7 @@ def colab_demo_config() -> ml_collections.ConfigDict:
 
 
 def gsm8k_config(model: str, folders: pathlib.Path) -> ml_collections.ConfigDict:
-    c = _load("vcppo_gsm8k", model)
+    c = stages.load_config_file("vcppo_gsm8k", model)
     folder = folders / model
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True)
@@ -77,17 +77,8 @@ def gsm8k_config(model: str, folders: pathlib.Path) -> ml_collections.ConfigDict
     return c
 
 
-def _load(name: str, arg: str) -> ml_collections.ConfigDict:
-    import importlib.util  # noqa: PLC0415
-
-    spec = importlib.util.spec_from_file_location(f"configs.{name}", REPO / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config(arg)
-
-
 def smollm2_config() -> ml_collections.ConfigDict:
-    c = _load("smollm2", "vcppo")
+    c = stages.load_config_file("smollm2", "vcppo")
     if not is_hf_checkpoint(c.sft_dir):
         sys.exit(f"{c.sft_dir} is missing: python experiments/prepare_model.py smollm2-135m-instruct --out {c.sft_dir}")
     return c

@@ -1,7 +1,6 @@
 """Every experiment config builds and validates; bad values fail up front naming the field."""
 
 import dataclasses
-import importlib.util
 import pathlib
 import subprocess
 import sys
@@ -18,10 +17,7 @@ CONFIG_FILES = sorted((ROOT / "configs").glob("*.py"))
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return stages.load_config_file(name)
 
 
 def test_all_configs_listed():
@@ -255,9 +251,7 @@ def test_splash_off_tpu_fails_before_the_mesh_is_built():
 
 
 def _gsm8k_config(*args):
-    spec = importlib.util.spec_from_file_location("vcppo_gsm8k", stages.CONFIG_DIR / "vcppo_gsm8k.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = stages.load_config_module("vcppo_gsm8k")
     return module.get_config(*args), module.MODELS
 
 
@@ -276,15 +270,8 @@ def test_real_model_gsm8k_recipe_configs_validate_down_to_their_stages(preset):
         _gsm8k_config("llama-7b")
 
 
-def _smollm2_module():
-    spec = importlib.util.spec_from_file_location("smollm2", stages.CONFIG_DIR / "smollm2.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_smollm2_presets_share_the_recipe_and_differ_only_in_the_method():
-    module = _smollm2_module()
+    module = stages.load_config_module("smollm2")
     configs = {p: module.get_config(p) for p in module.PRESETS}
     method = ("algorithm", "advantage", "critic_init", "critic_dir", "lambda_actor", "lambda_critic", "workdir",
               "stage_overrides")

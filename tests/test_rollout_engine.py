@@ -1,8 +1,6 @@
 """The 'slots' rollout engine: the dense engine's samples row for row, the trainer's log-probs, the config's choice."""
 
 import functools
-import importlib.util
-import pathlib
 
 import flax.linen as nn
 import jax
@@ -11,7 +9,7 @@ import numpy as np
 import pytest
 
 from vcppo_jax import config as config_lib
-from vcppo_jax import rl
+from vcppo_jax import rl, stages
 from vcppo_jax import sharding as shd
 from vcppo_jax.rollout import to_rollout
 from vcppo_jax.sampling import ENGINES, make_sampler, sampler_from_config
@@ -98,10 +96,7 @@ def test_sharded_slots_equal_unsharded(params, prompts, eos, three_slots):
 
 
 def _rl_config():
-    spec = importlib.util.spec_from_file_location("vcppo", pathlib.Path(__file__).parents[1] / "configs/vcppo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.get_config()
+    return stages.load_config_file("vcppo")
 
 
 def test_the_config_picks_the_engine():

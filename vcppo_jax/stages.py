@@ -37,12 +37,17 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 _SHARED = ("model", "task", "mesh", "seed", "sampling", "tensorboard", "progress_bar")
 
 
-def load_config_file(name: str) -> ml_collections.ConfigDict:
-    path = CONFIG_DIR / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(f"configs.{name}", path)
+def load_config_module(name: str):
+    """The module of configs/<name>.py (its `get_config` and whatever presets it names)."""
+    spec = importlib.util.spec_from_file_location(f"configs.{name}", CONFIG_DIR / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.get_config()
+    return module
+
+
+def load_config_file(name: str, *args) -> ml_collections.ConfigDict:
+    """configs/<name>.py's `get_config(*args)` (args: a preset)."""
+    return load_config_module(name).get_config(*args)
 
 
 def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) -> ml_collections.ConfigDict:
