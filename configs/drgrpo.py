@@ -11,8 +11,6 @@ from vcppo_jax.config import base_rl_config
 def get_config():
     c = base_rl_config("drgrpo")
     c.advantage = "group"
-    c.critic_init = "none"
-    c.critic_dir = ""
     c.group_size = 8
     c.prompts_per_step = 8
     c.kl_coef = 0.001

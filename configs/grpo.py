@@ -9,8 +9,6 @@ from vcppo_jax.config import base_rl_config
 def get_config():
     c = base_rl_config("grpo")
     c.advantage = "group"
-    c.critic_init = "none"
-    c.critic_dir = ""
     c.group_size = 8
     c.prompts_per_step = 8  # 8 prompts x 8 samples: the same 64 responses per step as PPO and VC-PPO
     c.kl_coef = 0.001

@@ -55,5 +55,5 @@ def get_config(preset: str = "vcppo") -> ml_collections.ConfigDict:
         c.stage_overrides.reward_model.update(dict(max_steps=24, min_steps=8, prompts_per_step=8, group_size=4,
                                                    lr=3e-5))
     else:
-        c.advantage, c.critic_init, c.critic_dir = "group", "none", ""
+        c.advantage = "group"
     return c

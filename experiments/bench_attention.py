@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a script from the repo root
 
 MODEL = dict(vocab_size=2048, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
              tie_embeddings=True)  # the RL-step benchmark's model (experiments/bench_rl_step.py)

@@ -12,9 +12,7 @@ say which `impl` is fastest here, i.e. what `vcppo_jax.gae.DEFAULT_IMPL[backend]
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
 from typing import Callable
 
@@ -23,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from the repo root
-from vcppo_jax import gae as gae_lib  # noqa: E402
+from vcppo_jax import gae as gae_lib
 
 GAMMA, LAM_ACTOR, LAM_CRITIC = 1.0, 0.95, 1.0
 

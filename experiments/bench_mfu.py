@@ -25,11 +25,9 @@ from __future__ import annotations
 import argparse
 import pathlib
 import statistics
-import sys
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a script from the repo root
 
 PRESETS = {
     # Qwen/Qwen2.5-0.5B config.json (rope_theta 1e6, tied embeddings, q/k/v biases).

@@ -42,7 +42,6 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a script from the repo root
 PAD_ID = 0
 PRESETS = {
     "quick": dict(prompts=2, group=4, prompt_len=16, peer_lengths="32", hidden=64, layers=2, vocab=512, iters=3,
@@ -167,7 +166,7 @@ def run_ours(o: dict, peaks: Peaks) -> dict:
     from vcppo_jax.rollout import to_rollout  # noqa: PLC0415
     from vcppo_jax.sampling import make_sampler  # noqa: PLC0415
 
-    algo, b, p, r = o["algo"], o["prompts"] * o["group"], o["prompt_len"], o["response_len"]
+    algo, p, r = o["algo"], o["prompt_len"], o["response_len"]
     cfg, variables = load_hf_checkpoint(o["folder"], remat=bool(o.get("remat")),
                                         attention_impl=o.get("attention") or None)
     actor = CausalLM(cfg)

@@ -34,7 +34,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -44,11 +43,10 @@ import numpy as np
 import torch
 import transformers as tr
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from the repo root
-from vcppo_jax.data.synthetic import format_cot, format_direct, sample_problem, synthetic_config  # noqa: E402
-from vcppo_jax.models import CausalLM, load_hf_checkpoint  # noqa: E402
-from vcppo_jax.sampling import make_sampler, slot_count  # noqa: E402
-from bench_rl_step import set_threads  # noqa: E402
+from vcppo_jax.data.synthetic import format_cot, format_direct, sample_problem, synthetic_config
+from vcppo_jax.models import CausalLM, load_hf_checkpoint
+from vcppo_jax.sampling import make_sampler, slot_count
+from bench_rl_step import set_threads
 
 PAD_ID, EOS_ID = 0, 1
 TEMPERATURE = 0.7  # config.sampling.temperature

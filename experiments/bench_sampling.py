@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -37,10 +35,9 @@ import numpy as np
 import torch
 import transformers as tr
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from the repo root
-from vcppo_jax.models import CausalLM, load_hf_checkpoint  # noqa: E402
-from vcppo_jax.sampling import make_sampler  # noqa: E402
-from bench_rl_step import set_threads  # noqa: E402 (one thread setting for both benchmarks)
+from vcppo_jax.models import CausalLM, load_hf_checkpoint
+from vcppo_jax.sampling import make_sampler
+from bench_rl_step import set_threads  # one thread setting for both benchmarks
 
 PAD_ID = 0
 PRESETS = {

@@ -14,20 +14,18 @@ Each grid entry updates the config's `task.knobs` (a "template" key sets `task.k
 
 import json
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+import jax
+import numpy as np
+from absl import app, flags
+from ml_collections import config_flags
 
-from vcppo_jax import builders, rewards, rollout  # noqa: E402
-from vcppo_jax.models import CausalLM, load_hf_checkpoint  # noqa: E402
-from vcppo_jax.models.hf import is_hf_checkpoint  # noqa: E402
-from vcppo_jax.sampling import make_sampler  # noqa: E402
+from vcppo_jax import builders, rewards, rollout
+from vcppo_jax.models import CausalLM, load_hf_checkpoint
+from vcppo_jax.models.hf import is_hf_checkpoint
+from vcppo_jax.sampling import make_sampler
 
 FLAGS = flags.FLAGS
 

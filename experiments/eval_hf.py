@@ -11,17 +11,15 @@ Nothing of our model, sampler, tokenization or chat code runs here, so its pass@
 
 import json
 import pathlib
-import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import transformers as tr  # noqa: E402
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+import torch
+import transformers as tr
+from absl import app, flags
+from ml_collections import config_flags
 
-from vcppo_jax import builders, rewards  # noqa: E402
+from vcppo_jax import builders, rewards
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config (task, template, lengths).",
                                          lock_config=True)

@@ -3,16 +3,13 @@
   python experiments/export_hf.py --config=configs/smollm2.py:grpo --out runs/smollm2/grpo_hf [--step=24]
 """
 
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from absl import app, flags  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
+from absl import app, flags
+from ml_collections import config_flags
 
-from vcppo_jax import stages  # noqa: E402
-from vcppo_jax.export import export_policy  # noqa: E402
+from vcppo_jax import stages
+from vcppo_jax.export import export_policy
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config file (its workdir holds the run).",
                                          lock_config=True)

@@ -43,12 +43,11 @@ from typing import Any, Sequence
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from vcppo_jax.metrics import (COLLAPSE_CORR, COLLAPSE_VALUE_ERR, COLLAPSE_WINDOW, METRICS_FILE,  # noqa: E402
+from vcppo_jax.metrics import (COLLAPSE_CORR, COLLAPSE_VALUE_ERR, COLLAPSE_WINDOW, METRICS_FILE,
                                read_metrics)
 
 Records = list[dict[str, Any]]
@@ -786,31 +785,6 @@ def make_mechanism_report(out_dir: str | pathlib.Path, results_dir: str | pathli
         plot_value_pretraining(tree, results_dir / "fig_mechanism_value_pretraining.png"),
     ]
     return [p for p in written if p is not None] + [js, md]
-
-
-def make_runs_report(runs: dict[str, str | pathlib.Path], results_dir: str | pathlib.Path, name: str,
-                     title: str, notes: dict[str, str] | None = None) -> list[pathlib.Path]:
-    """Single runs side by side ({label: workdir}): `<name>.json` (every evaluation of each run, and `notes`, e.g.
-    the command that made it) and `<name>.png` (greedy pass@1, sampled probe pass@1 and KL to the SFT policy vs
-    step)."""
-    results_dir = pathlib.Path(results_dir)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    records = {label: read_metrics(workdir) for label, workdir in runs.items()}
-    evals = {label: [{k: v for k, v in r.items() if k == "step" or k.startswith(("eval/", "probe/"))}
-                     for r in recs if "eval/pass@1" in r] for label, recs in records.items()}
-    js = results_dir / f"{name}.json"
-    js.write_text(json.dumps({"evaluations": evals, "notes": notes or {}}, indent=2) + "\n")
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.4))
-    keys = (("eval/pass@1", "greedy pass@1 (test split)"), ("probe/pass@1", "sampled pass@1 (same prompts)"),
-            ("probe/kl_to_sft", "KL(policy || SFT) per token"))
-    for i, (label, recs) in enumerate(records.items()):
-        for ax, (key, _) in zip(axes, keys):
-            steps, values = series(recs, key)
-            ax.plot(steps, values, marker=".", color=f"C{i % 10}", label=label)
-    for ax, (key, ylabel) in zip(axes, keys):
-        ax.set(xlabel="RL step", ylabel=ylabel, title=ylabel)
-    fig_path = _save(fig, list(axes), results_dir / f"{name}.png", title)
-    return [fig_path, js]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,12 +10,10 @@ Run (from the repo root):
 from __future__ import annotations
 
 import argparse
-import pathlib
 import sys
 import time
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # runnable as a script from the repo root
-from vcppo_jax.models import gguf  # noqa: E402
+from vcppo_jax.models import gguf
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -43,16 +43,15 @@ import time
 import traceback
 from typing import Any, Sequence
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import ml_collections  # noqa: E402
+import ml_collections
 
-import plot_results  # noqa: E402
-from vcppo_jax import config as config_lib  # noqa: E402
-from vcppo_jax import runtime  # noqa: E402
-from vcppo_jax import stage_meta  # noqa: E402
-from vcppo_jax import stages  # noqa: E402
+import config_files
+import plot_results
+from vcppo_jax import config as config_lib
+from vcppo_jax import runtime
+from vcppo_jax import stage_meta
+from vcppo_jax import stages
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -218,12 +217,12 @@ def rl_config(method: str, seed: int, out: pathlib.Path, profile: Profile, rl_se
         raise ValueError(f"method={method!r} is unknown; choose from {tuple(RECIPES)}")
     file, fields = RECIPES[method]
     stage_root = stages_from or out
-    c = _apply(stages.load_config_file(file), fields)
+    c = _apply(config_files.load(file), fields)
     c.seed = seed
     c.workdir = str(out / f"seed{seed}" / method)
     c.sft_dir = str(stage_root / "sft" if profile.shared_sft else stage_root / f"seed{seed}" / "sft")
-    c.critic_dir = (str(stage_root / f"seed{seed}" / c.critic_init)
-                    if c.critic_init in ("value_pretrain", "reward_model") else "")
+    c.critic_dir = (str(stage_root / f"seed{seed}" / c.critic_init) if config_lib.has_critic(c)
+                    and c.critic_init in ("value_pretrain", "reward_model") else "")
     c.task.data_dir = str(stage_root / "tfds")
     _apply(c, profile.fields.get("common", {}))
     _apply(c, profile.fields.get("rl", {}))

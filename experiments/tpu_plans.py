@@ -24,17 +24,16 @@ import sys
 import tempfile
 import time
 
+import ml_collections
+
+import config_files
+from vcppo_jax import config as config_lib
+from vcppo_jax import dry_run, stages
+from vcppo_jax.models.hf import is_hf_checkpoint
+from vcppo_jax.stage_meta import prerequisites
+from vcppo_jax.tokenizer import synthetic_tokenizer
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # runnable as a script from the repo root
-
-import ml_collections  # noqa: E402
-
-from vcppo_jax import config as config_lib  # noqa: E402
-from vcppo_jax import dry_run, stages  # noqa: E402
-from vcppo_jax.models.hf import is_hf_checkpoint  # noqa: E402
-from vcppo_jax.stage_meta import prerequisites  # noqa: E402
-from vcppo_jax.tokenizer import synthetic_tokenizer  # noqa: E402
-
 OUT = REPO / "experiments" / "results" / "tpu_plans"
 # config.json of Qwen/Qwen2.5-0.5B-Instruct and Qwen/Qwen3-0.6B (architecture fields only).
 HF_CONFIGS = {
@@ -67,7 +66,7 @@ def colab_demo_config() -> ml_collections.ConfigDict:
 
 
 def gsm8k_config(model: str, folders: pathlib.Path) -> ml_collections.ConfigDict:
-    c = stages.load_config_file("vcppo_gsm8k", model)
+    c = config_files.load("vcppo_gsm8k", model)
     folder = folders / model
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True)
@@ -78,7 +77,7 @@ def gsm8k_config(model: str, folders: pathlib.Path) -> ml_collections.ConfigDict
 
 
 def smollm2_config() -> ml_collections.ConfigDict:
-    c = stages.load_config_file("smollm2", "vcppo")
+    c = config_files.load("smollm2", "vcppo")
     if not is_hf_checkpoint(c.sft_dir):
         sys.exit(f"{c.sft_dir} is missing: python experiments/prepare_model.py smollm2-135m-instruct --out {c.sft_dir}")
     return c

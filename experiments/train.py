@@ -6,12 +6,9 @@ reward model) first and reuses their checkpoints next time.
   python experiments/train.py --config=configs/grpo.py
 """
 
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from vcppo_jax import stages  # noqa: E402
+from vcppo_jax import stages
 
 if __name__ == "__main__":
     stages.cli("RL experiment config file.")

@@ -3,12 +3,9 @@
   python experiments/train_reward_model.py --config=configs/reward_model.py
 """
 
-import pathlib
-import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from vcppo_jax import stages  # noqa: E402
+from vcppo_jax import stages
 
 if __name__ == "__main__":
     stages.cli("Reward-model config file.")

@@ -23,16 +23,15 @@ import sys
 
 import jax
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import ml_collections  # noqa: E402
-import numpy as np  # noqa: E402
+import ml_collections
+import numpy as np
 
-from orbax.checkpoint._src.path import atomicity  # noqa: E402 (private: where a save is committed)
+from orbax.checkpoint._src.path import atomicity  # private: where a save is committed
 
-from vcppo_jax import rl_loop  # noqa: E402
-from vcppo_jax import runtime as rt_lib  # noqa: E402
-from vcppo_jax import stages  # noqa: E402
+from vcppo_jax import rl_loop
+from vcppo_jax import runtime as rt_lib
+from vcppo_jax import stages
 
 
 def data_path_report(rt: rt_lib.Runtime, batch_size: int) -> dict:

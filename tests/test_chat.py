@@ -11,7 +11,6 @@
 import json
 import pathlib
 
-import sys
 
 import jax
 import ml_collections
@@ -20,10 +19,9 @@ import pytest
 import torch
 import transformers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
 
-import calibrate_task  # noqa: E402
-import eval_hf  # noqa: E402
+import calibrate_task
+import eval_hf
 from test_pipeline import tiny_config
 from testutil import random_params
 from vcppo_jax import builders, chat, rollout, stage_meta, stages

@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import config_files
 from vcppo_jax import stages
 from vcppo_jax.models import ModelConfig
 
@@ -17,7 +18,7 @@ MODEL = dict(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, nu
 
 
 def tiny(name: str, tmp_path, **fields) -> ml_collections.ConfigDict:
-    c = stages.load_config_file(name)
+    c = config_files.load(name)
     c.workdir = str(tmp_path / "never_written" / name)
     for k in ("sft_dir", "critic_dir"):
         if k in c and c[k]:
@@ -123,7 +124,7 @@ def test_flops_count_every_loop_iteration_where_xla_counts_each_body_once():
 def test_splash_passes_name_their_block_padding_and_the_block_that_pads_less():
     from vcppo_jax import dry_run  # noqa: PLC0415
 
-    c = stages.load_config_file("vcppo")
+    c = config_files.load("vcppo")
     c.task.update(max_prompt_len=256, max_response_len=1024)
     cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
     long_only = dry_run.splash_passes(c, cfg, "tpu")  # default kernel: splash from 1024 tokens, dense below

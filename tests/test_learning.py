@@ -41,7 +41,7 @@ VERIFIER = make_verifier("synthetic")
 
 def rl_config(shuffle: bool):
     c = config_lib.base_rl_config("grpo")
-    c.advantage, c.critic_init = "group", "none"
+    c.advantage = "group"
     c.task.max_prompt_len, c.task.max_response_len = P, R
     c.prompts_per_step, c.group_size, c.num_minibatches = PROMPTS, GROUP, 4
     c.kl_coef = 0.0

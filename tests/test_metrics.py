@@ -171,18 +171,6 @@ def test_collapse_warning_needs_both_signals_for_the_window():
         mt.collapse_warning([-1.0], [-1.0], window=0)
 
 
-def test_response_length_stats_vs_numpy():
-    rng = np.random.default_rng(2)
-    mask, lengths = _random_mask(rng, 9, 6)
-    got = mt.response_length_stats(jnp.asarray(mask), 6)
-    assert float(got["rollout/response_length_mean"]) == pytest.approx(lengths.mean())
-    assert float(got["rollout/response_length_max"]) == lengths.max()
-    assert float(got["rollout/response_length_min"]) == lengths.min()
-    assert float(got["rollout/clip_ratio"]) == pytest.approx(np.mean(lengths >= 6))
-    with pytest.raises(ValueError, match="max_len=0 must be an int >= 1"):
-        mt.response_length_stats(jnp.asarray(mask), 0)
-
-
 def test_timer_sections_and_throughput():
     timer = mt.Timer()
     with timer.section("rollout"):

@@ -4,17 +4,16 @@ metrics tree written here with the loops' own MetricWriter, in the layout and or
 
 import json
 import pathlib
-import sys
 
+import config_files
 import numpy as np
+import plot_results
 import pytest
+import reproduce
+
+from vcppo_jax.metrics import MetricWriter
 
 EXPERIMENTS = pathlib.Path(__file__).resolve().parents[1] / "experiments"
-sys.path.insert(0, str(EXPERIMENTS))
-
-import plot_results  # noqa: E402
-import reproduce  # noqa: E402
-from vcppo_jax.metrics import MetricWriter  # noqa: E402
 
 SEEDS = (0, 1, 2)
 STEPS, EVAL_EVERY, BUCKETS = 12, 4, 4  # STEPS > plot_results.LAST_STEPS
@@ -193,7 +192,8 @@ def test_study_plan_shares_stages_and_sets_each_method(tmp_path):
         assert lam["vcppo"] == (0.95, 1.0, "value_pretrain") and by["vcppo"].critic_dir == by["value_pretrain"].workdir
         assert lam["vcppo_no_vpt"] == (0.95, 1.0, "actor")
         assert lam["vcppo_no_dgae"] == (0.95, 0.95, "value_pretrain")
-        assert by["grpo"].algorithm == "grpo" and by["grpo"].critic_init == "none"
+        assert by["grpo"].algorithm == "grpo" and not reproduce.config_lib.has_critic(by["grpo"])
+        assert by["grpo"].critic_dir == ""
         assert [lam[f"vcppo_la{x}"][:2] for x in ("0.9", "0.99", "1.0")] == [(0.9, 1.0), (0.99, 1.0), (1.0, 1.0)]
         assert {by[m].num_steps for m in methods} == {60}  # the full profile's RL length
         assert not any(c.shuffle_rewards for c in by.values() if c.stage == "rl")
@@ -336,7 +336,7 @@ def test_learning_plan_trains_one_sft_per_seed_and_the_shuffled_control(tmp_path
         # The control differs from VC-PPO in that field alone; every run keeps the config files' recipe.
         control = dict(by["vcppo_shuffled"].to_dict(), shuffle_rewards=False, workdir=by["vcppo"].workdir)
         assert control == by["vcppo"].to_dict()
-        assert by["vcppo"].num_steps == reproduce.stages.load_config_file("vcppo").num_steps
+        assert by["vcppo"].num_steps == config_files.load("vcppo").num_steps
 
 
 def test_learning_report_is_step0_and_last_eval_per_seed(tmp_path):

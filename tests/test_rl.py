@@ -5,7 +5,6 @@ import functools
 import chex
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -56,7 +55,7 @@ def hparams(algorithm="vcppo", **overrides) -> rl.RLHparams:
     c.diag_buckets = 3
     c.diag_early_tokens = 2
     if algorithm == "grpo":
-        c.advantage, c.critic_init = "group", "none"
+        c.advantage = "group"
     for k, v in overrides.items():
         c[k] = v
     config_lib.validate(c)

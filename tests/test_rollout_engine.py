@@ -4,12 +4,12 @@ import functools
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import config_files
 from vcppo_jax import config as config_lib
-from vcppo_jax import rl, stages
+from vcppo_jax import rl
 from vcppo_jax import sharding as shd
 from vcppo_jax.rollout import to_rollout
 from vcppo_jax.sampling import ENGINES, make_sampler, sampler_from_config
@@ -96,7 +96,7 @@ def test_sharded_slots_equal_unsharded(params, prompts, eos, three_slots):
 
 
 def _rl_config():
-    return stages.load_config_file("vcppo")
+    return config_files.load("vcppo")
 
 
 def test_the_config_picks_the_engine():

@@ -16,6 +16,7 @@ import textwrap
 
 import pytest
 
+import config_files
 from vcppo_jax import config as config_lib
 from vcppo_jax import stages, tpu_topology
 
@@ -80,14 +81,14 @@ def test_tiny_rl_with_splash_and_a_multihost_sft_compile_for_tpu_slices(libtpu, 
 
 @pytest.mark.parametrize("name", ["v5litepod-8", "v4-32", "v7x:2x2", "v5e", "v5e:2x"])
 def test_unknown_slice_names_fail_in_validation(tmp_path, name):
-    c = stages.load_config_file("sft")
+    c = config_files.load("sft")
     c.update(dict(dry_run=True, dry_run_topology=name))
     with pytest.raises(config_lib.ConfigError, match=r"dry_run_topology.*'v5e:2x4' \(v5e-8\)"):
         config_lib.validate(c)
 
 
 def test_a_slice_needs_dry_run_and_libtpu_before_anything_compiles(tmp_path, monkeypatch):
-    c = stages.load_config_file("sft")
+    c = config_files.load("sft")
     c.dry_run_topology = "v5e:2x4"
     with pytest.raises(config_lib.ConfigError, match="needs dry_run=True"):
         config_lib.validate(c)

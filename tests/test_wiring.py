@@ -153,7 +153,7 @@ def hparams(algorithm="vcppo", **overrides) -> rl.RLHparams:
     c.diag_buckets, c.diag_early_tokens = 2, 2
     c.sampling.temperature = TEMP
     if algorithm == "grpo":
-        c.advantage, c.critic_init = "group", "none"
+        c.advantage = "group"
     for k, v in overrides.items():
         c[k] = v
     config_lib.validate(c)

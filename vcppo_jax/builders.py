@@ -12,8 +12,8 @@ import ml_collections
 from vcppo_jax import chat, rewards
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax.data import RecordSource, load_task
-from vcppo_jax.models import ModelConfig
-from vcppo_jax.models.hf import is_hf_checkpoint, load_hf_checkpoint
+from vcppo_jax.models import ModelConfig, critic_params_from_actor, shift_value_head
+from vcppo_jax.models.hf import hf_model_config, is_hf_checkpoint, load_hf_checkpoint
 from vcppo_jax.tokenizer import load_tokenizer, synthetic_tokenizer
 
 
@@ -65,6 +65,20 @@ def load_policy(sft_dir: str, target) -> dict:
                                                                   lambda idx: x[idx].astype(t.dtype)), params, target)
 
 
+def load_critic(config: ml_collections.ConfigDict, policy: dict, target) -> dict:
+    """The critic's params a stage starts from (`critic_init`): the policy's backbone with a fresh value head
+    ('actor'), or the critic of the finished stage in `critic_dir` ('value_pretrain', 'reward_model'), placed on
+    `target`'s shardings; its value head shifted by `critic_init_bias` where the config has one."""
+    if config.critic_init == "actor":
+        params = critic_params_from_actor({"params": policy})["params"]
+    else:
+        params = ckpt_lib.load_params(config.critic_dir, target, key="critic_params",
+                                      hint=f"train the {config.critic_init} stage into it first, or set "
+                                           "config.critic_init")
+    bias = config.get("critic_init_bias", 0.0)
+    return shift_value_head(params, bias) if bias else params
+
+
 def task_source(config: ml_collections.ConfigDict, split: str) -> RecordSource:
     """The task's `split`; built on first use. Multi-host: process 0 builds it while the others wait, so that no two
     processes write the same dataset folder (every process must call this)."""
@@ -82,7 +96,18 @@ def verifier(config: ml_collections.ConfigDict):
     return rewards.make_verifier(config.task.name, correct=config.reward_correct, wrong=config.reward_wrong)
 
 
-def model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+def policy_model_config(config: ml_collections.ConfigDict) -> ModelConfig:
+    """The model a stage's policy has, from its config alone (no weights read): the config.json of `model.hf_path`
+    or of an HF folder `sft_dir`, else the from-scratch fields (`scratch_model_config`); this run's compute options
+    on top."""
+    sft_dir = config.get("sft_dir", "")
+    folder = config.model.hf_path or (sft_dir if is_hf_checkpoint(sft_dir) else "")
+    if folder:
+        return with_compute_options(hf_model_config(folder), config)
+    return scratch_model_config(config, len(tokenizer(config)))
+
+
+def scratch_model_config(config: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
     """The from-scratch decoder described by `config.model` (HF checkpoints carry their own config): each field is
     the ModelConfig field of the same name, except `hf_path`."""
     fields = {k: v for k, v in config.model.to_dict().items() if k != "hf_path"}
@@ -111,13 +136,7 @@ def model_config_to_json(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def model_config_from_json(d: dict[str, Any], config: ml_collections.ConfigDict | None = None) -> ModelConfig:
-    """Saved architecture, with this run's compute options (dtype, remat, attention) applied on top.
-
-    Configs saved before `model_type` existed name the family by `qkv_bias` instead (True: qwen2, False: llama).
-    """
-    d = dict(d)
-    if "qkv_bias" in d:
-        d["model_type"] = "qwen2" if d.pop("qkv_bias") else "llama"
+    """Saved architecture, with this run's compute options (dtype, remat, attention) applied on top."""
     cfg = ModelConfig(**d)
     if config is not None:
         cfg = with_compute_options(cfg, config)

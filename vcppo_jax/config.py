@@ -22,7 +22,7 @@ from vcppo_jax.rl import ADVANTAGE_ESTIMATORS
 from vcppo_jax.sampling import ENGINES, KV_CACHE_DTYPES
 
 STAGES = ("sft", "reward_model", "value_pretrain", "rl")
-CRITIC_INITS = ("value_pretrain", "reward_model", "actor", "none")
+CRITIC_INITS = ("value_pretrain", "reward_model", "actor")
 DTYPES = ("float32", "bfloat16")
 
 
@@ -150,11 +150,14 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     """Defaults shared by VC-PPO, PPO and GRPO; `configs/<algorithm>.py` sets what differs."""
     c = _common("rl", f"runs/default/{algorithm}")
     c.algorithm = algorithm  # a name for logs and checkpoints; what the method does is set by the fields below.
-    # 'gae': a critic and (decoupled) GAE (PPO, VC-PPO); 'group': no critic, each response's reward relative to
-    # its prompt's group of `group_size` samples (GRPO); set critic_init='none' with it.
+    # The one field that decides whether a run has a critic. 'gae': a critic and (decoupled) GAE (PPO, VC-PPO);
+    # 'group': no critic, each response's reward relative to its prompt's group of `group_size` samples (GRPO);
+    # the critic_* fields and critic_optim are then not read.
     c.advantage = "gae"
     # Where earlier stages live; missing ones are run by train.py itself when `run_missing_stages`.
     c.sft_dir = "runs/default/sft"
+    # Where the critic starts: the finished value-pretraining or reward-model stage in critic_dir, or the policy's
+    # backbone with a fresh value head ('actor').
     c.critic_init = "value_pretrain"
     c.critic_dir = "runs/default/value_pretrain"
     # Added to the value head's bias when RL starts, for any critic_init: the critic's initial bias as an
@@ -277,6 +280,16 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c.converge_atol = 0.02
     c.logprob_chunk = 128
     return c
+
+
+def default_config(stage: str) -> ml_collections.ConfigDict:
+    """A stage's default config (`configs/<experiment>.py` files override it): what a run that starts an earlier
+    stage itself trains it with ('rl': VC-PPO's)."""
+    builders = {"sft": base_sft_config, "value_pretrain": lambda: base_value_config("value_pretrain"),
+                "reward_model": lambda: base_value_config("reward_model"), "rl": lambda: base_rl_config("vcppo")}
+    if stage not in builders:
+        raise ConfigError(f"stage={stage!r} is unknown; choose from {STAGES}")
+    return builders[stage]()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -410,7 +423,6 @@ def _validate_rl(c) -> None:
     _check_range(c, "overlong_penalty", 0.0, float("inf"), hi_open=True)
     if c.group_filter != "none" and c.group_size < 2:
         _fail("group_filter", c.group_filter, "needs group_size >= 2 (it judges each prompt's group of responses)")
-    _check_choice(c, "critic_init", CRITIC_INITS)
     for f in ("gamma", "lambda_actor", "lambda_critic"):
         _check_range(c, f, 0.0, 1.0)
     _check_range(c, "adaptive_lambda_alpha", 0.0, float("inf"), lo_open=True, hi_open=True)
@@ -419,7 +431,6 @@ def _validate_rl(c) -> None:
     if c.dual_clip != 0:
         _check_range(c, "dual_clip", 1.0, float("inf"), lo_open=True, hi_open=True)
     _check_range(c, "value_clip", 0.0, float("inf"), hi_open=True)
-    _check_range(c, "critic_init_bias", -float("inf"), float("inf"), lo_open=True, hi_open=True)
     _check_choice(c, "loss_agg", AGG_MODES)  # the lists are owned by the modules that implement them
     _check_choice(c, "kl_estimator", KL_KINDS)
     for f in ("kl_coef", "entropy_coef", "nll_coef"):
@@ -444,23 +455,24 @@ def _validate_rl(c) -> None:
     _check_int(c, "eval_prompts", 1)
     _check_int(c, "diag_buckets", 1)
     _check_int(c, "diag_early_tokens", 1)
-    if c.reward_correct <= c.reward_wrong:
-        _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
-    if c.advantage == "group":
-        if c.group_size < 2:
-            _fail("group_size", c.group_size, "must be >= 2 for advantage='group' (advantages are relative within a "
-                  "group)")
-        if c.critic_init != "none":
-            _fail("critic_init", c.critic_init, "must be 'none' for advantage='group' (no critic)")
-        if c.critic_init_bias != 0:
-            _fail("critic_init_bias", c.critic_init_bias, "must be 0 for advantage='group' (no critic)")
-    else:
-        if c.critic_init == "none":
-            _fail("critic_init", c.critic_init, f"needs a critic for advantage={c.advantage!r}; use one of "
-                        f"{CRITIC_INITS[:-1]}")
+    _validate_rewards(c)
+    if has_critic(c):
+        _check_choice(c, "critic_init", CRITIC_INITS)
+        _check_range(c, "critic_init_bias", -float("inf"), float("inf"), lo_open=True, hi_open=True)
         _validate_optim(c, "critic_optim")
         if c.critic_init in ("value_pretrain", "reward_model") and not c.critic_dir:
             _fail("critic_dir", c.critic_dir, f"must name a checkpoint directory when critic_init={c.critic_init!r}")
+    else:
+        if c.critic_init_bias != 0:  # the other critic fields are ignored without a critic; a bias means one was meant
+            _fail("critic_init_bias", c.critic_init_bias, "must be 0 for advantage='group' (no critic)")
+        if c.group_size < 2:
+            _fail("group_size", c.group_size, "must be >= 2 for advantage='group' (advantages are relative within a "
+                  "group)")
+
+
+def _validate_rewards(c) -> None:
+    if c.reward_correct <= c.reward_wrong:
+        _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
 
 
 def _validate_value(c) -> None:
@@ -486,8 +498,7 @@ def _validate_value(c) -> None:
     _check_range(c, "converge_rtol", 0.0, float("inf"), hi_open=True)
     _check_range(c, "converge_atol", 0.0, float("inf"), hi_open=True)
     _check_int(c, "logprob_chunk", 1)
-    if c.reward_correct <= c.reward_wrong:
-        _fail("reward_correct", c.reward_correct, f"must be greater than config.reward_wrong={c.reward_wrong}")
+    _validate_rewards(c)
 
 
 def _validate_sft(c) -> None:
@@ -501,6 +512,11 @@ def _validate_sft(c) -> None:
     _validate_sampling(c)
     _check_int(c, "eval_every", 1)
     _check_int(c, "eval_prompts", 1)
+
+
+def has_critic(config: ml_collections.ConfigDict) -> bool:
+    """Whether an RL config trains a critic: `advantage` alone decides (GAE needs one, group advantages none)."""
+    return config.advantage == "gae"
 
 
 def validate(config: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

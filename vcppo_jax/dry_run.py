@@ -21,18 +21,16 @@ counts each loop body once (a 10-step `fori_loop` of matmuls reports one matmul'
 kernel as none: a transformer whose layers are one `scan`, updated over a scan of minibatches, would be undercounted
 by their product. XLA's figure is printed beside it.
 
-The programs are built by the same functions the loops call (`rl.make_experience_fn`, `rl.make_update_fn`,
-`value_train.make_value_step`, `sft.sft_loss_fn`, `sampling.make_sampler`) with the loops' shapes and shardings.
+The programs are the loops' own (`sft.programs`, `value_train.programs`, `rl_loop.programs`), with the loops'
+shapes and shardings.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any, Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -41,41 +39,18 @@ import numpy as np
 from vcppo_jax import builders
 from vcppo_jax import config as config_lib
 from vcppo_jax import rl
+from vcppo_jax import rl_loop
 from vcppo_jax import runtime as rt_lib
+from vcppo_jax import sft
 from vcppo_jax import sharding
 from vcppo_jax import tpu_topology
-from vcppo_jax.compile_options import jit_training
+from vcppo_jax import value_train
 from vcppo_jax.models import CausalLM, ModelConfig, ValueModel
 from vcppo_jax.models.config import long_attention_kernel, uses_memory_linear
-from vcppo_jax.models.hf import is_hf_checkpoint
 from vcppo_jax.models.splash import SPLASH_BLOCK_MULTIPLE, splash_attention, splash_block
-from vcppo_jax.optim import ModelState, make_optimizer, train_epochs
-from vcppo_jax.sampling import make_sampler
-from vcppo_jax.sft import sft_loss_fn
-from vcppo_jax.value_train import make_value_step
+from vcppo_jax.optim import make_optimizer
 
 MIB = 2 ** 20
-
-
-def model_config(config: ml_collections.ConfigDict) -> ModelConfig:
-    """The stage's model from its config alone: the config.json of `model.hf_path` or of an HF folder `sft_dir`,
-    or the from-scratch fields."""
-    folder = config.model.hf_path or (config.get("sft_dir", "") if is_hf_checkpoint(config.get("sft_dir", "")) else "")
-    if folder:
-        path = os.path.join(folder, "config.json")
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"dry run: {path} not found (model.hf_path must be a HF model folder)")
-        with open(path) as f:
-            return builders.with_compute_options(ModelConfig.from_hf_dict(json.load(f)), config)
-    return builders.model_config(config, len(builders.tokenizer(config)))
-
-
-def _abstract_state(model: nn.Module, tx, rt) -> ModelState:
-    return rt.target(rt_lib.abstract_model_state(model, tx))
-
-
-def _abstract_params(model: nn.Module, rt) -> Any:
-    return rt.target(rt_lib.abstract_params(model))
 
 
 def _batch(rt, **leaves: tuple[tuple[int, ...], Any]) -> dict[str, jax.ShapeDtypeStruct]:
@@ -89,69 +64,58 @@ def _replicated(rt, x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
                                                                                       jax.sharding.PartitionSpec()))
 
 
-def _sampler_program(actor: CausalLM, config, rt, batch: int, tok, temperature: float):
-    """(name, jitted sampler, abstract args) for `batch` prompts of task.max_prompt_len."""
-    s = config.sampling
-    fn = make_sampler(actor, max_new_tokens=config.task.max_response_len, eos_id=builders.stop_ids(config, tok),
-                      pad_id=tok.pad_token_id, temperature=temperature, top_k=s.top_k, top_p=s.top_p,
-                      kv_cache_dtype=s.kv_cache_dtype)
-    P = config.task.max_prompt_len
-    prompts = _batch(rt, tokens=((batch, P), jnp.int32), mask=((batch, P), jnp.int32))
-    key = _replicated(rt, jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    return "sampler", fn.__wrapped__, (_abstract_params(actor, rt), prompts["tokens"], prompts["mask"], key)
+def _shardings(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.sharding, tree)
 
 
 def programs(config: ml_collections.ConfigDict, rt, cfg: ModelConfig) -> tuple[list, Any]:
-    """[(name, jitted fn, abstract args)] of the stage's programs, and its abstract resident state. The training
-    programs take the compiler options of the mesh's platform (a TPU slice's on a CPU host)."""
+    """[(name, jitted fn, abstract args)] of the stage's programs (the ones its loop builds: `sft.programs`,
+    `value_train.programs`, `rl_loop.programs`), and its abstract resident state. The training programs take the
+    compiler options of the mesh's platform (a TPU slice's on a CPU host)."""
     tok = builders.tokenizer(config)
     P, R = config.task.max_prompt_len, config.task.max_response_len
     actor = CausalLM(cfg)
+    backend = rt.mesh.devices.flat[0].platform
     key = _replicated(rt, jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    jit = lambda fn, **kw: jit_training(fn, backend=rt.mesh.devices.flat[0].platform, **kw)  # noqa: E731
+
+    def prompts(batch: int) -> tuple:
+        p = _batch(rt, tokens=((batch, P), jnp.int32), mask=((batch, P), jnp.int32))
+        return p["tokens"], p["mask"], key
+
+    def sampler(fn, batch: int) -> tuple:
+        return "sampler", fn.__wrapped__, (rt.target(rt_lib.abstract_params(actor)), *prompts(batch))
+
     if config.stage == "sft":
         tx = make_optimizer(config.optim)
-        state = _abstract_state(actor, tx, rt)
-        loss_fn = sft_loss_fn(actor, chunk=R)
-        step = jit(lambda s, b: train_epochs(s, b, jax.random.PRNGKey(0), loss_fn, tx, num_epochs=1,
-                                             num_minibatches=1), donate_argnums=0)
+        state = rt_lib.model_state_from_dict(rt.target(rt_lib.model_state_to_dict(
+            rt_lib.abstract_model_state(actor, tx))))
+        progs = sft.programs(config, actor, tx, _shardings(state), tok, backend=backend)
         b = config.batch_size
         batch = _batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
                        response_mask=((b, R), jnp.float32))
-        return [_sampler_program(actor, config, rt, min(config.eval_prompts, b), tok, 0.0),
-                ("sft_step", step, (state, batch))], state
+        return [sampler(progs.greedy, min(config.eval_prompts, b)), ("sft_step", progs.step, (state, batch))], state
     b = config.prompts_per_step * config.group_size
     rollout = rl.Rollout(**_batch(rt, tokens=((b, P + R), jnp.int32), attn_mask=((b, P + R), bool),
                                   response_mask=((b, R), jnp.float32), rewards=((b, R), jnp.float32),
                                   seq_rewards=((b,), jnp.float32), sample_logp=((b, R), jnp.float32)))
-    sampler = _sampler_program(actor, config, rt, b, tok, config.sampling.temperature)
     if config.stage in ("value_pretrain", "reward_model"):
         critic, tx = ValueModel(cfg), make_optimizer(config.optim)
-        state = _abstract_state(critic, tx, rt)
-        step = jit(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma,
-                                   eos_only=config.stage == "reward_model", num_minibatches=config.num_minibatches,
-                                   truncated_fraction=config.truncated_fraction,
-                                   truncated_reward=config.reward_wrong), donate_argnums=0)
+        state = rt.target(rt_lib.abstract_model_state(critic, tx))
+        progs = value_train.programs(config, actor, critic, tx, _shardings(state), tok, backend=backend)
+        sample = sampler(progs.sampler, b)
         # The sampling policy's params stay resident beside the critic's state.
-        return [sampler, ("value_step", step, (state, rollout, key))], (state, sampler[2][0])
-    hp = rl.RLHparams.from_config(config)
-    critic = ValueModel(cfg) if hp.has_critic else None
-    actor_tx = make_optimizer(config.actor_optim)
-    critic_tx = make_optimizer(config.critic_optim) if hp.has_critic else None
-    state = rl.RLState(actor=_abstract_state(actor, actor_tx, rt),
-                       critic=_abstract_state(critic, critic_tx, rt) if hp.has_critic else None,
-                       ref_params=_abstract_params(actor, rt) if config.kl_coef > 0 else None,
-                       rng=key, step=_replicated(rt, jax.ShapeDtypeStruct((), jnp.int32)))
-    experience_fn = jit(rl.make_experience_fn(hp, actor, critic))
+        return [sample, ("value_step", progs.step, (state, rollout, key))], (state, sample[2][0])
+    models = rl_loop.Models.from_config(config, cfg)
+    state = rt.target(rl_loop.abstract_state(config, models))
+    progs = rl_loop.programs(config, models, _shardings(state), tok, backend=backend)
     with rt.context():
-        experience, _ = jax.eval_shape(experience_fn, state, rollout)
+        experience, _ = jax.eval_shape(progs.experience, state, rollout)
     experience = jax.tree.map(
         lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding.batch_sharding(rt.mesh)), experience)
-    update_fn = jit(rl.make_update_fn(hp, actor, critic, actor_tx, critic_tx), donate_argnums=0)
     # Without a reference policy in the state, the drift probe holds a copy of the SFT params (rl_loop.run_rl).
-    sft_copy = _abstract_params(actor, rt) if config.eval_kl_to_sft and state.ref_params is None else None
-    return [sampler, ("experience", experience_fn, (state, rollout)), ("update", update_fn, (state, experience))], \
-        (state, sft_copy)
+    sft_copy = rt.target(rt_lib.abstract_params(actor)) if config.eval_kl_to_sft and state.ref_params is None else None
+    return [sampler(progs.sampler, b), ("experience", progs.experience, (state, rollout)),
+            ("update", progs.update, (state, experience))], (state, sft_copy)
 
 
 def _bytes_per_device(tree: Any) -> int:
@@ -304,7 +268,7 @@ def plan(config: ml_collections.ConfigDict, print_fn: Callable[[str], None] = pr
     config_lib.validate(config)
     topology = tpu_topology.get(config.dry_run_topology) if config.dry_run_topology else None
     rt = rt_lib.make_runtime(config, topology.devices if topology else None)
-    cfg = model_config(config)
+    cfg = builders.policy_model_config(config)
     device = rt.mesh.devices.flat[0]
     where = f"{topology.name}: {topology.hosts} host(s), " if topology else ""
     print_fn(f"[dry_run] {config.stage}: {cfg.model_type} {cfg.num_params / 1e6:.2f}M params, mesh "

@@ -43,8 +43,8 @@ def _check_number(name: str, x, *, low: float, high: float = float("inf"), low_o
         raise ValueError(f"{name} must be a real number in {lb}{low}, {high}{hb}, got {x!r}")
 
 
-def _masked_mean(x: jax.Array, valid: jax.Array) -> jax.Array:
-    """Mean over valid entries; 0 when there are none."""
+def masked_mean(x: jax.Array, valid: jax.Array) -> jax.Array:
+    """Mean of `x` over the entries where `valid` (bool, same shape) holds; 0 when there are none."""
     return jnp.where(valid, x, 0.0).sum() / jnp.maximum(valid.sum(), 1)
 
 
@@ -78,7 +78,7 @@ def aggregate(x: jax.Array, mask: jax.Array, mode: AggMode = "token-mean", *, no
     per_seq = x.sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / jnp.maximum(lengths, 1)
-    return _masked_mean(per_seq, lengths > 0)
+    return masked_mean(per_seq, lengths > 0)
 
 
 def _log_ratio(logp, old_logp, valid):
@@ -127,12 +127,12 @@ def policy_loss(logp: jax.Array, old_logp: jax.Array, advantages: jax.Array, mas
     any_valid = valid.any()
     metrics = {
         "policy/loss": loss,
-        "policy/clipfrac": _masked_mean(clipped, valid),
-        "policy/clipfrac_low": _masked_mean(clipped & (adv < 0), valid),
-        "policy/clipfrac_high": _masked_mean(clipped & (adv > 0), valid),
-        "policy/clipfrac_dual": _masked_mean(dual_active, valid),
-        "policy/approx_kl": _masked_mean(ratio - 1.0 - log_ratio, valid),
-        "policy/ratio_mean": _masked_mean(ratio, valid),
+        "policy/clipfrac": masked_mean(clipped, valid),
+        "policy/clipfrac_low": masked_mean(clipped & (adv < 0), valid),
+        "policy/clipfrac_high": masked_mean(clipped & (adv > 0), valid),
+        "policy/clipfrac_dual": masked_mean(dual_active, valid),
+        "policy/approx_kl": masked_mean(ratio - 1.0 - log_ratio, valid),
+        "policy/ratio_mean": masked_mean(ratio, valid),
         "policy/ratio_min": jnp.where(any_valid, jnp.where(valid, ratio, jnp.inf).min(), 1.0),
         "policy/ratio_max": jnp.where(any_valid, jnp.where(valid, ratio, -jnp.inf).max(), 1.0),
     }
@@ -169,9 +169,9 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array, mas
     loss = 0.5 * aggregate(per_token, valid, agg_mode)
     metrics = {
         "value/loss": loss,
-        "value/clipfrac": _masked_mean(clipped, valid),
-        "value/mean": _masked_mean(values, valid),
-        "value/error_mean": _masked_mean(values - returns, valid),
+        "value/clipfrac": masked_mean(clipped, valid),
+        "value/mean": masked_mean(values, valid),
+        "value/error_mean": masked_mean(values - returns, valid),
     }
     return loss, metrics
 
@@ -261,10 +261,10 @@ def explained_variance(pred: jax.Array, target: jax.Array, mask: jax.Array) -> j
     valid = jnp.asarray(mask).astype(bool)
 
     def var(x):
-        return _masked_mean(jnp.square(x - _masked_mean(x, valid)), valid)
+        return masked_mean(jnp.square(x - masked_mean(x, valid)), valid)
 
     var_target = var(target)
-    informative = var_target > 1e-6 * _masked_mean(jnp.square(target), valid)
+    informative = var_target > 1e-6 * masked_mean(jnp.square(target), valid)
     safe = jnp.where(informative, var_target, 1.0)
     return jnp.where(informative, 1.0 - var(target - pred) / safe, 0.0)
 

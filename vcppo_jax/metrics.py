@@ -2,8 +2,8 @@
 
 The paper's collapse signature (Fig. 1-2): with a critic biased on early tokens, the mean
 advantage on the first tokens of a response is large and positive (~ +0.7 at token 0) while it is
-~0 later, and the response length falls. `position_bucket_means`, `early_token_bias`,
-`advantage_length_corr` and `response_length_stats` are jit-friendly reductions computed inside the
+~0 later, and the response length falls. `position_bucket_means`, `early_token_bias` and
+`advantage_length_corr` are jit-friendly reductions computed inside the
 step; `collapse_warning` inspects the history of the advantage-length correlation and of the critic's error at
 the first token on the host.
 """
@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from vcppo_jax.losses import masked_mean
 
 METRICS_FILE = "metrics.jsonl"
 _TB_ILLEGAL = re.compile(r"[^-/\w.]")
@@ -177,10 +179,6 @@ def position_bucket_means(x: jax.Array, mask: jax.Array, num_buckets: int) -> tu
     return jnp.where(counts > 0, sums / jnp.maximum(counts, 1), 0.0), counts
 
 
-def _masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
-    return jnp.where(mask.sum() > 0, (x * mask).sum() / jnp.maximum(mask.sum(), 1), 0.0)
-
-
 def early_token_bias(advantages: jax.Array, mask: jax.Array, *, early_tokens: int) -> dict[str, jax.Array]:
     """Mean advantage over each response's first `early_tokens` valid tokens vs its other tokens.
 
@@ -195,25 +193,8 @@ def early_token_bias(advantages: jax.Array, mask: jax.Array, *, early_tokens: in
     rank = jnp.cumsum(mask, axis=1) - 1  # index among the valid tokens of the row
     early = mask * (rank < early_tokens)
     late = mask - early
-    adv_early, adv_late = _masked_mean(advantages, early), _masked_mean(advantages, late)
+    adv_early, adv_late = masked_mean(advantages, early > 0), masked_mean(advantages, late > 0)
     return {"diag/adv_early": adv_early, "diag/adv_late": adv_late, "diag/adv_early_bias": adv_early - adv_late}
-
-
-def response_length_stats(mask: jax.Array, max_len: int) -> dict[str, jax.Array]:
-    """Response-length summary. mask: [batch, time] response mask; max_len: generation budget.
-
-    'rollout/clip_ratio' is the fraction of responses that used the whole budget (length >=
-    max_len), i.e. were cut off rather than ending with EOS.
-    """
-    if not isinstance(max_len, int) or max_len < 1:
-        raise ValueError(f"max_len={max_len!r} must be an int >= 1")
-    lengths = mask.astype(jnp.float32).sum(axis=1)
-    return {
-        "rollout/response_length_mean": lengths.mean(),
-        "rollout/response_length_max": lengths.max(),
-        "rollout/response_length_min": lengths.min(),
-        "rollout/clip_ratio": (lengths >= max_len).astype(jnp.float32).mean(),
-    }
 
 
 def advantage_length_corr(advantages: jax.Array, mask: jax.Array, seq_rewards: jax.Array) -> jax.Array:

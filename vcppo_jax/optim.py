@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import optax
-from flax import struct
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import ml_collections
+import optax
+from flax import struct
 
 
 def lr_schedule(cfg: ml_collections.ConfigDict) -> optax.Schedule:

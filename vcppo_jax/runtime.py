@@ -137,10 +137,11 @@ class StepLogger:
             self._bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3g}" for k in self._show if k in metrics},
                                   refresh=False)
 
-    def write(self, step: int, metrics: dict[str, Any]) -> None:
-        """Out-of-band metrics (evaluations)."""
+    def write(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+        """Out-of-band metrics (evaluations), printed and written; returns them."""
         self._writer.write(step, metrics)
         self.print(f"step {step}: " + ", ".join(f"{k}={float(v):.4g}" for k, v in sorted(metrics.items())))
+        return metrics
 
     def print(self, text: str) -> None:
         if self._main:

@@ -24,13 +24,8 @@ import ml_collections
 
 from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
+from vcppo_jax import config as config_lib
 from vcppo_jax.models.hf import hf_model_config, is_hf_checkpoint
-
-ENTRYPOINTS = {"sft": "experiments/sft.py", "reward_model": "experiments/train_reward_model.py",
-               "value_pretrain": "experiments/pretrain_value.py", "rl": "experiments/train.py"}
-# `model.model_type` replaced `model.qkv_bias` after stages first recorded their settings: the families that existed
-# then are fingerprinted in the old spelling, so that their finished stages do not look stale.
-_QKV_BIAS_OF_OLD_MODEL_TYPES = {"qwen2": True, "llama": False}
 
 
 @functools.lru_cache(maxsize=16)
@@ -71,9 +66,8 @@ def finished_meta(workdir: str, stage: str) -> dict:
     """The meta of the finished `stage` in `workdir`; FileNotFoundError naming the command that makes it."""
     meta = read_stage_meta(workdir)
     if not _done(meta):
-        raise FileNotFoundError(f"no finished {stage} checkpoint in {workdir!r}; run "
-                                f"`python {ENTRYPOINTS[stage]} --config=configs/{stage}.py` first (or point the "
-                                "config at an existing run)")
+        raise FileNotFoundError(f"no finished {stage} checkpoint in {workdir!r}; train the {stage} stage there first "
+                                "(or set run_missing_stages=True, or point the config at an existing run)")
     return meta
 
 
@@ -82,7 +76,8 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     needs = []
     if config.stage in ("rl", "value_pretrain", "reward_model"):
         needs.append(("sft", config.sft_dir))
-    if config.stage == "rl" and config.critic_init in ("value_pretrain", "reward_model"):
+    if config.stage == "rl" and config_lib.has_critic(config) and config.critic_init in ("value_pretrain",
+                                                                                       "reward_model"):
         needs.append((config.critic_init, config.critic_dir))
     if config.stage == "value_pretrain" and config.critic_init == "reward_model":
         needs.append(("reward_model", config.critic_dir))
@@ -91,13 +86,10 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
 
 def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
     """The settings a stage's checkpoint is only valid for: the task's data (not where it is stored) and the
-    model's architecture fields (not its compute options), as JSON would store them. qwen2 and llama are recorded
-    as `qkv_bias` True/False, as before `model.model_type` existed (`_QKV_BIAS_OF_OLD_MODEL_TYPES`)."""
+    model's architecture fields (not its compute options), as JSON would store them."""
     task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
                                                                         "max_response_len")}
     model = {k: v for k, v in config.model.to_dict().items() if k not in builders.COMPUTE_OPTIONS}
-    if model["model_type"] in _QKV_BIAS_OF_OLD_MODEL_TYPES:
-        model["qkv_bias"] = _QKV_BIAS_OF_OLD_MODEL_TYPES[model.pop("model_type")]
     return json.loads(json.dumps({"task": task, "model": model}))
 
 

@@ -15,7 +15,6 @@ stages it was started from.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import pathlib
 import sys
@@ -32,27 +31,14 @@ from vcppo_jax.stage_meta import (finished_meta, prerequisites, provenance_of, r
                                   stage_done)
 from vcppo_jax.value_train import run_value_training
 
-CONFIG_DIR = pathlib.Path(__file__).resolve().parents[1] / "configs"
 # The critic stages must see the responses RL will see: same sampling distribution.
 _SHARED = ("model", "task", "mesh", "seed", "sampling", "tensorboard", "progress_bar")
 
 
-def load_config_module(name: str):
-    """The module of configs/<name>.py (its `get_config` and whatever presets it names)."""
-    spec = importlib.util.spec_from_file_location(f"configs.{name}", CONFIG_DIR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_config_file(name: str, *args) -> ml_collections.ConfigDict:
-    """configs/<name>.py's `get_config(*args)` (args: a preset)."""
-    return load_config_module(name).get_config(*args)
-
-
 def derived_config(parent: ml_collections.ConfigDict, stage: str, workdir: str) -> ml_collections.ConfigDict:
-    """configs/<stage>.py with the parent's model/task/mesh/seed and the given workdir."""
-    c = load_config_file(stage)
+    """The stage's default config (`config.default_config`) with the parent's model/task/mesh/seed, its
+    `stage_overrides` for that stage, and the given workdir."""
+    c = config_lib.default_config(stage)
     for k in _SHARED:
         c[k] = parent[k]
     c.workdir = workdir
@@ -166,7 +152,7 @@ def main_guard(fn: Callable, config: ml_collections.ConfigDict) -> Any:
     line instead of a traceback."""
     try:
         return fn(config)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError and CheckpointMismatchError are ValueErrors
+    except (ValueError, FileNotFoundError, FileExistsError) as e:  # ConfigError, CheckpointMismatchError included
         sys.exit(f"error: {e}")
 
 

@@ -10,15 +10,15 @@
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 
 from vcppo_jax import builders
-from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import config as config_lib
 from vcppo_jax import gae as gae_lib
 from vcppo_jax import losses
@@ -27,11 +27,12 @@ from vcppo_jax import stage_meta
 from vcppo_jax.compile_options import jit_training
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import Timer
-from vcppo_jax.models import CausalLM, ValueModel, critic_params_from_actor
+from vcppo_jax.models import CausalLM, ValueModel
 from vcppo_jax.optim import init_model_state, make_optimizer, train_epochs
 from vcppo_jax.rl import Rollout, by_minibatch, critic_values
 from vcppo_jax.rollout import generate_and_score, prompt_batch, whole_batch_stats
 from vcppo_jax.sampling import sampler_from_config
+from vcppo_jax.stage_run import stage_run
 
 
 def value_targets(rewards: jax.Array, seq_rewards: jax.Array, mask: jax.Array, *, gamma: float, eos_only: bool,
@@ -100,95 +101,85 @@ def make_value_step(critic: ValueModel, tx, *, prompt_len: int, gamma: float, eo
     return step
 
 
+class Programs(NamedTuple):
+    """The jitted programs of a value-training run."""
+    sampler: Callable  # (params, prompt tokens [B, P], prompt mask [B, P], rng) -> SampleOutput of the frozen policy
+    step: Callable  # (state, rollout, rng) -> (state, metrics); donates the state
+
+
+def programs(config: ml_collections.ConfigDict, actor: CausalLM, critic: ValueModel, tx: optax.GradientTransformation,
+             state_shardings, tok, *, backend: str | None = None) -> Programs:
+    """The run's programs over a critic state placed on `state_shardings`. backend: whose training compiler
+    options (`compile_options`; default: this host's)."""
+    step = make_value_step(critic, tx, prompt_len=config.task.max_prompt_len, gamma=config.gamma,
+                           eos_only=config.stage == "reward_model", num_minibatches=config.num_minibatches,
+                           truncated_fraction=config.truncated_fraction, truncated_reward=config.reward_wrong)
+    return Programs(
+        sampler=sampler_from_config(actor, config.sampling, max_new_tokens=config.task.max_response_len,
+                                    eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id),
+        step=jit_training(step, backend=backend, in_shardings=(state_shardings, None, None),
+                          out_shardings=(state_shardings, None), donate_argnums=0))
+
+
 def run_value_training(config: ml_collections.ConfigDict) -> dict:
     """Trains a critic for `config.stage` in ('value_pretrain', 'reward_model'); returns the last metrics."""
     config_lib.validate(config)
     rt = rt_lib.make_runtime(config)
-    eos_only = config.stage == "reward_model"
-
     sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
     cfg = builders.model_config_from_json(sft_meta["model_config"], config)
-    tok = builders.tokenizer(config)
+    tok, verifier = builders.tokenizer(config), builders.verifier(config)
     train = builders.prompt_source(config, config.task.train_split, tok)
-    verifier = builders.verifier(config)
-    actor, critic = CausalLM(cfg), ValueModel(cfg)
-    tx = make_optimizer(config.optim)
-    P, R = config.task.max_prompt_len, config.task.max_response_len
-
+    actor, critic, tx = CausalLM(cfg), ValueModel(cfg), make_optimizer(config.optim)
+    layout = rt_lib.model_state_to_dict(rt_lib.abstract_model_state(critic, tx), "critic_params")
+    progs = programs(config, actor, critic, tx, rt_lib.model_state_from_dict(
+        jax.tree.map(lambda x: x.sharding, rt.target(layout)), "critic_params"), tok)
     policy = builders.load_policy(config.sft_dir, rt.target(rt_lib.abstract_params(actor)))
 
     def init(shardings):
-        if config.critic_init == "reward_model":
-            params = ckpt_lib.load_params(config.critic_dir, rt.target(rt_lib.abstract_params(critic)),
-                                          key="critic_params", hint="run experiments/train_reward_model.py first")
-        else:
-            params = critic_params_from_actor({"params": policy})["params"]
+        params = builders.load_critic(config, policy, rt.target(rt_lib.abstract_params(critic)))
         return jax.device_put(rt_lib.model_state_to_dict(init_model_state(params, tx), "critic_params"), shardings)
 
-    layout = rt_lib.model_state_to_dict(rt_lib.abstract_model_state(critic, tx), "critic_params")
-    ckpt, state, meta, start = rt_lib.restore_or_init_state(rt, config, layout, init)
-    state = rt_lib.model_state_from_dict(state, "critic_params")
-    shardings = jax.tree.map(lambda x: x.sharding, state)
-    history = meta.get("history", {"loss": [], "ev": []})
-    prov = stage_meta.provenance(config, meta)
-
-    with rt.context():
-        step_fn = jit_training(make_value_step(critic, tx, prompt_len=P, gamma=config.gamma, eos_only=eos_only,
-                                               num_minibatches=config.num_minibatches,
-                                               truncated_fraction=config.truncated_fraction,
-                                               truncated_reward=config.reward_wrong),
-                               in_shardings=(shardings, None, None), out_shardings=(shardings, None), donate_argnums=0)
-    sampler = sampler_from_config(actor, config.sampling, max_new_tokens=R, eos_id=builders.stop_ids(config, tok),
-                                  pad_id=tok.pad_token_id)
     sample_key, update_key = jax.random.split(jax.random.PRNGKey(config.seed))
-    logger = rt_lib.StepLogger(config, total=config.max_steps, initial=start, desc=config.stage,
-                               show=("value/loss", "value/explained_var", "rollout/accuracy"))
-    timer = Timer()
-    rows = rt.local_rows(config.prompts_per_step * config.group_size)  # this process's rows of each batch
+    timer, rows = Timer(), rt.local_rows(config.prompts_per_step * config.group_size)
     metrics: dict = {}
-    is_converged = bool(meta.get("converged", False))
-    try:
-        with ckpt_lib.preemption_guard() as guard, rt.context():
-            step = start
-            while step < config.max_steps and not is_converged:
-                with timer.section("rollout"):
-                    idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
-                    pb = prompt_batch(train, idx, tok, max_prompt_len=P, group_size=config.group_size)
-                    rollout, _ = generate_and_score(sampler, policy, pb, jax.random.fold_in(sample_key, step), tok,
-                                                    verifier, rt)
-                with timer.section("update"):
-                    state, m = step_fn(state, rt.place_batch(rollout), jax.random.fold_in(update_key, step))
-                    m = rt.fetch(m)
-                logger.count_nonfinite(step, float(m["train/nonfinite"]))
-                step += 1
-                metrics = {k: float(v) for k, v in m.items()}
-                stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, R, rows, rt)
-                metrics.update(stats)
-                metrics.update(timer.summary(num_tokens=num_tokens))
-                history["loss"].append(metrics["value/loss"])
-                history["ev"].append(metrics["value/explained_var"])
-                is_converged = step >= config.min_steps and converged(
-                    history["loss"], history["ev"], window=config.converge_window, rtol=config.converge_rtol,
-                    atol=config.converge_atol)
-                metrics["value/converged"] = float(is_converged)
-                logger.log(step, metrics)
-                done = is_converged or step == config.max_steps
-                stop = guard.should_stop_any()  # collective: every host saves the same step
-                if done or step % config.save_every == 0 or stop:
-                    meta = {"stage": config.stage, "model_config": sft_meta["model_config"], "done": done,
-                            "converged": is_converged, "history": history, "provenance": prov}
-                    ckpt.save(step, rt_lib.model_state_to_dict(state, "critic_params"), meta, force=True)
-                if stop:
-                    logger.print(f"preempted: saved step {step}")
-                    break
-            if is_converged:
-                logger.print(f"{config.stage}: converged after {step} steps (value loss "
-                             f"{history['loss'][-1]:.4f}, explained variance {history['ev'][-1]:.3f})")
-            elif step >= config.max_steps:
-                logger.print(f"{config.stage}: stopped at max_steps={config.max_steps} without meeting the "
+    with stage_run(config, rt, layout, init, total=config.max_steps, desc=config.stage,
+                   show=("value/loss", "value/explained_var", "rollout/accuracy")) as (run, state):
+        state = rt_lib.model_state_from_dict(state, "critic_params")
+        meta = {"stage": config.stage, "model_config": sft_meta["model_config"],
+                "converged": bool(run.meta.get("converged", False)),
+                "history": run.meta.get("history", {"loss": [], "ev": []}),
+                "provenance": stage_meta.provenance(config, run.meta)}
+        history, step = meta["history"], run.start
+        while step < config.max_steps and not meta["converged"]:
+            with timer.section("rollout"):
+                idx = batch_indices(len(train), config.prompts_per_step, step, config.seed)
+                pb = prompt_batch(train, idx, tok, max_prompt_len=config.task.max_prompt_len,
+                                  group_size=config.group_size)
+                rollout, _ = generate_and_score(progs.sampler, policy, pb, jax.random.fold_in(sample_key, step), tok,
+                                                verifier, rt)
+            with timer.section("update"):
+                state, m = progs.step(state, rt.place_batch(rollout), jax.random.fold_in(update_key, step))
+                m = rt.fetch(m)
+            step += 1
+            metrics = {k: float(v) for k, v in m.items()}
+            stats, num_tokens = whole_batch_stats(rollout, config.reward_correct, config.task.max_response_len, rows,
+                                                  rt)
+            metrics.update(stats)
+            metrics.update(timer.summary(num_tokens=num_tokens))
+            history["loss"].append(metrics["value/loss"])
+            history["ev"].append(metrics["value/explained_var"])
+            meta["converged"] = step >= config.min_steps and converged(
+                history["loss"], history["ev"], window=config.converge_window, rtol=config.converge_rtol,
+                atol=config.converge_atol)
+            metrics["value/converged"] = float(meta["converged"])
+            run.log(step, metrics)
+            done = meta["converged"] or step == config.max_steps
+            if run.save(step, rt_lib.model_state_to_dict(state, "critic_params"), dict(meta, done=done), done=done):
+                break
+        if meta["converged"]:
+            run.logger.print(f"{config.stage}: converged after {step} steps (value loss {history['loss'][-1]:.4f}, "
+                             f"explained variance {history['ev'][-1]:.3f})")
+        elif step >= config.max_steps:
+            run.logger.print(f"{config.stage}: stopped at max_steps={config.max_steps} without meeting the "
                              "convergence tolerance")
-    finally:
-        ckpt.wait()
-        ckpt.close()
-        logger.close()
     return metrics

@@ -135,7 +135,7 @@ def _attention_bwd(block, residuals, d_out):
         return dq, (dk, dv)
 
     dq, (dk, dv) = jax.lax.scan(key_block, jnp.zeros(qb.shape, jnp.float32), jnp.arange(nb))
-    b, n = q.shape[0], q.shape[2]
+    n = q.shape[2]
     dq = _unblocks(dq.reshape(*dq.shape[:3], n, q.shape[-1]), t)
     return dq.astype(q.dtype), _unblocks(dk, t).astype(k.dtype), _unblocks(dv, t).astype(v.dtype), None
 

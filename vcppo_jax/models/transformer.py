@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
-from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, ModelConfig, long_attention_kernel, uses_memory_linear
+from vcppo_jax.models.config import ModelConfig, long_attention_kernel, uses_memory_linear
 from vcppo_jax.models.splash import splash_attention
 from vcppo_jax.sharding import mesh_platform
 
