@@ -13,7 +13,7 @@ from vcppo_jax.models import CausalLM, ModelConfig, attention_mask, position_ids
 from vcppo_jax.models import transformer
 from vcppo_jax import sharding
 from vcppo_jax.models.attention import blockwise_attention, cache_prefix_attention, cudnn_attention
-from vcppo_jax.models.config import check_attention_backend, long_attention_kernel
+from vcppo_jax.models.config import BLOCKWISE_MIN_LEN, check_attention_backend, long_attention_kernel
 from vcppo_jax.models.splash import splash_attention, splash_block
 from vcppo_jax.sampling import make_sampler
 
@@ -140,10 +140,10 @@ def test_sampler_prefill_gives_the_same_tokens(params, kernel):
 
 def test_default_picks_blockwise_by_length_and_only_where_queries_are_keys():
     auto = transformer.Decoder(CFG.replace(attention_impl=None))
-    assert auto._memory_linear(transformer.BLOCKWISE_MIN_LEN, 0) and not auto._memory_linear(64, 0)
-    assert not auto._memory_linear(4 * transformer.BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
+    assert auto._memory_linear(BLOCKWISE_MIN_LEN, 0) and not auto._memory_linear(64, 0)
+    assert not auto._memory_linear(4 * BLOCKWISE_MIN_LEN, None)  # decode step (traced cache index)
     assert transformer.Decoder(BLOCKWISE)._memory_linear(16, 0)
-    assert not transformer.Decoder(CFG)._memory_linear(4 * transformer.BLOCKWISE_MIN_LEN, 0)
+    assert not transformer.Decoder(CFG)._memory_linear(4 * BLOCKWISE_MIN_LEN, 0)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 5, 64])  # 13 slots: clamped last blocks (4, 5), one block (64)
