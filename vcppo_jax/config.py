@@ -44,86 +44,108 @@ def model_config() -> ml_collections.ConfigDict:
         hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
         model_type="qwen2",  # a SUPPORTED_MODEL_TYPES family; it decides q/k/v biases (qwen2) and q/k norms (qwen3).
         vocab_size=0,  # 0 = take it from the tokenizer.
-        hidden_size=128,
-        intermediate_size=384,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
+        hidden_size=128,  # width of the residual stream.
+        intermediate_size=384,  # width of the SwiGLU MLP.
+        num_layers=4,  # decoder layers.
+        num_heads=4,  # query heads.
+        num_kv_heads=2,  # key/value heads (grouped-query attention; must divide num_heads).
         head_dim=0,  # 0 = hidden_size // num_heads.
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6,
-        tie_embeddings=True,
-        max_position_embeddings=1024,
-        dtype="float32",
-        remat=False,
-        # Compute options like dtype and remat: '' = a memory-linear kernel from 1024 tokens (splash on TPU,
-        # blockwise elsewhere), dense below; 'blockwise', 'splash' (TPU only), 'xla' or 'cudnn' always
-        # (models/config.py, ATTENTION_IMPLS).
+        rope_theta=10000.0,  # RoPE base frequency.
+        rms_norm_eps=1e-6,  # RMSNorm epsilon.
+        tie_embeddings=True,  # the LM head shares the token embedding matrix.
+        max_position_embeddings=1024,  # longest sequence (prompt + response) the model is built for.
+        dtype="float32",  # compute dtype; parameters and optimizer state stay float32.
+        remat=False,  # recompute each layer's activations in the backward pass (less memory, more compute).
+        # attention_impl: '' = a memory-linear kernel from 1024 tokens (splash on TPU, blockwise elsewhere), dense
+        # below; 'blockwise', 'splash' (TPU only), 'xla' or 'cudnn' always (models/config.py, ATTENTION_IMPLS).
         attention_impl="",
-        attention_block_size=512,
+        attention_block_size=512,  # key/query block of the memory-linear kernels (blockwise, splash).
     ))
 
 
 def task_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
-        name="synthetic",
+        name="synthetic",  # the task (rewards.TASKS): its data builder and its verifier.
         data_dir="",  # '' = <workdir root>/tfds.
-        tokenizer_path="",  # '' = the synthetic char-level tokenizer.
-        train_split="train",
-        test_split="test",
+        tokenizer_path="",  # '' = the synthetic char-level tokenizer (or model.hf_path's tokenizer when set).
+        train_split="train",  # split RL, SFT and value pretraining sample prompts from.
+        test_split="test",  # split the evaluations read.
         # Passed to the task loader (synthetic: see data/synthetic.py; gsm8k/math: `template`). The default synthetic
         # difficulty (2-3 two-digit terms, CoT ~40-100 tokens) trains on 2 CPU cores in minutes; raise terms/digits
         # (and max_response_len) for longer chains of thought.
+        # knobs.min_terms: fewest terms in a synthetic problem.
+        # knobs.max_terms: most terms in a synthetic problem.
+        # knobs.min_digits: fewest digits per term.
+        # knobs.max_digits: most digits per term.
+        # knobs.ops: operators drawn between terms ('+' or '+-').
+        # knobs.num_train: problems in the train split.
+        # knobs.num_test: problems in the test split.
+        # knobs.seed: seed of the generated problems (part of the data's folder name).
         knobs=ml_collections.ConfigDict(dict(min_terms=2, max_terms=3, min_digits=2, max_digits=2, ops="+",
                                              num_train=10000, num_test=500, seed=0)),
-        max_prompt_len=24,
-        max_response_len=112,
-        # An instruct model's prompt format: each question becomes a user turn of the tokenizer's chat template
-        # (after `system_prompt`; '' = the template's default system turn, if it has one), and a response also
-        # ends at the template's end-of-turn token (vcppo_jax/chat.py). Applies to every stage and evaluation.
+        max_prompt_len=24,  # prompt tokens (left-padded; longer prompts are refused).
+        max_response_len=112,  # most tokens sampled per response.
+        # chat_template: an instruct model's prompt format: each question becomes a user turn of the tokenizer's chat
+        # template (after `system_prompt`), and a response also ends at the template's end-of-turn token
+        # (vcppo_jax/chat.py). Applies to every stage and evaluation.
         chat_template=False,
-        system_prompt="",
+        system_prompt="",  # the system turn with chat_template; '' = the template's default system turn, if any.
     ))
 
 
 def mesh_config() -> ml_collections.ConfigDict:
+    # data: devices on the data-parallel mesh axis (-1 = the devices the other axes leave).
+    # fsdp: devices the parameters and optimizer state are sharded over (batches too); -1 = the rest.
+    # tensor: devices the MLP, head and vocab dimensions are split over; -1 = the rest.
     return ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
 
 
 def optim_config(lr: float) -> ml_collections.ConfigDict:
+    # lr: peak learning rate of AdamW.
+    # warmup_steps: optimizer updates of linear warmup from 0 to lr.
+    # decay_steps: 0 = constant lr after warmup; else cosine decay to 0 over that many updates.
+    # weight_decay: AdamW's decoupled weight decay.
+    # grad_clip: global gradient-norm clip; 0 disables it.
+    # b1: Adam's first-moment decay.
+    # b2: Adam's second-moment decay.
+    # eps: Adam's epsilon.
     return ml_collections.ConfigDict(dict(lr=lr, warmup_steps=0, decay_steps=0, weight_decay=0.0, grad_clip=1.0,
                                           b1=0.9, b2=0.999, eps=1e-8))
 
 
 def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.stage = stage
-    c.seed = 0
-    c.workdir = workdir
+    c.stage = stage  # which loop runs this config (set by the builder; STAGES).
+    c.seed = 0  # seeds initialization, prompt order and sampling.
+    c.workdir = workdir  # checkpoints, metrics.jsonl and TensorBoard events of this run.
     c.model = model_config()
     c.task = task_config()
     c.mesh = mesh_config()
-    c.resume = True
-    c.log_every = 1
-    c.save_every = 50
-    c.max_to_keep = 2
+    c.resume = True  # resume from the workdir's newest checkpoint; False refuses a workdir that holds checkpoints.
+    c.log_every = 1  # steps between metric records.
+    c.save_every = 50  # steps between checkpoints.
+    c.max_to_keep = 2  # checkpoints kept in the workdir.
     c.max_bad_steps = 3  # consecutive non-finite losses before the run halts.
-    c.tensorboard = True
-    c.progress_bar = True
-    # Library log lines (orbax, TFDS, absl INFO) on the console; off: progress bars, evaluations, stage lines and
-    # this project's warnings only.
+    c.tensorboard = True  # also write TensorBoard events beside metrics.jsonl.
+    c.progress_bar = True  # a tqdm progress bar with the step's main metrics.
+    # verbose: library log lines (orbax, TFDS, absl INFO) on the console; off: progress bars, evaluations, stage lines
+    # and this project's warnings only.
     c.verbose = False
-    # Compile this stage's programs against abstract inputs, print XLA's per-device memory plan and whether it fits,
-    # and stop (no weights, data or earlier stages needed; vcppo_jax/dry_run.py). 0 GiB = the device's own memory.
+    # dry_run: compile this stage's programs against abstract inputs, print XLA's per-device memory plan and whether
+    # it fits, and stop (no weights, data or earlier stages needed; vcppo_jax/dry_run.py).
     c.dry_run = False
-    c.dry_run_device_memory_gib = 0.0
-    # '' = this host's devices; a TPU slice such as 'v5e:2x4' or 'v4:2x2x4' = compile with the TPU compiler for that
-    # slice's devices, without a TPU (libtpu needed: vcppo_jax/tpu_topology.py), against its chips' HBM.
+    c.dry_run_device_memory_gib = 0.0  # the dry run's device memory to fit in; 0 = the device's own memory.
+    # dry_run_topology: '' = this host's devices; a TPU slice such as 'v5e:2x4' or 'v4:2x2x4' = compile with the TPU
+    # compiler for that slice's devices, without a TPU (libtpu needed: vcppo_jax/tpu_topology.py), against its HBM.
     c.dry_run_topology = ""
     return c
 
 
 def sampling_config() -> ml_collections.ConfigDict:
+    # top_k: keep only the k most likely tokens; 0 = off (evaluation and the sampler's API only; RL refuses it).
+    # top_p: nucleus sampling's probability mass; 1.0 = off (evaluation and the sampler's API only; RL refuses it).
+    # decode_slots: decode slots of the 'slots' engine; 0 = batch // 8 (sampling.py).
+    # temperature: sampling temperature of rollouts and sampled evaluations; 0 = greedy.
     # 0.7: at temperature 1 the tiny CPU policy garbles ~80% of its scratchpads (pass@1 ~0.1 vs ~0.45 greedy), which
     # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
     # kv_cache_dtype: 'compute' (the model's dtype) or 'bfloat16' (half an fp32 model's cache; sampling.py).
@@ -138,6 +160,8 @@ def stage_overrides() -> ml_collections.ConfigDict:
     """Fields applied to an earlier stage's config when this run starts it itself (None = keep the file's value),
     e.g. `--config.stage_overrides.sft.num_steps=200`; `lr` sets the stage's `optim.lr` (the files' rates suit the
     tiny CPU model, not a pretrained LLM)."""
+    # *.*: that stage's field of the same name when this run starts the stage itself; None = the stage file's value
+    # (lr: the stage's optim.lr).
     unset = lambda: ml_collections.config_dict.placeholder(int)
     lr = lambda: ml_collections.config_dict.placeholder(float)
     value = lambda: dict(max_steps=unset(), min_steps=unset(), prompts_per_step=unset(), group_size=unset(), lr=lr())
@@ -150,102 +174,105 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     """Defaults shared by VC-PPO, PPO and GRPO; `configs/<algorithm>.py` sets what differs."""
     c = _common("rl", f"runs/default/{algorithm}")
     c.algorithm = algorithm  # a name for logs and checkpoints; what the method does is set by the fields below.
-    # The one field that decides whether a run has a critic. 'gae': a critic and (decoupled) GAE (PPO, VC-PPO);
-    # 'group': no critic, each response's reward relative to its prompt's group of `group_size` samples (GRPO);
-    # the critic_* fields and critic_optim are then not read.
+    # advantage: the one field that decides whether a run has a critic. 'gae': a critic and (decoupled) GAE (PPO,
+    # VC-PPO); 'group': no critic, each response's reward relative to its prompt's group of `group_size` samples
+    # (GRPO); the critic_* fields and critic_optim are then not read.
     c.advantage = "gae"
-    # Where earlier stages live; missing ones are run by train.py itself when `run_missing_stages`.
+    # sft_dir: the SFT stage (or an HF folder: a finished one) the policy starts from; a missing stage is run by
+    # train.py itself when `run_missing_stages`.
     c.sft_dir = "runs/default/sft"
-    # Where the critic starts: the finished value-pretraining or reward-model stage in critic_dir, or the policy's
-    # backbone with a fresh value head ('actor').
+    # critic_init: where the critic starts: the finished value-pretraining or reward-model stage in critic_dir, or the
+    # policy's backbone with a fresh value head ('actor').
     c.critic_init = "value_pretrain"
-    c.critic_dir = "runs/default/value_pretrain"
-    # Added to the value head's bias when RL starts, for any critic_init: the critic's initial bias as an
-    # experimental factor (the paper's Fig. 2 critic is pessimistic: < 0). 0 = the critic as initialized.
+    c.critic_dir = "runs/default/value_pretrain"  # the critic's stage (critic_init 'value_pretrain' / 'reward_model').
+    # critic_init_bias: added to the value head's bias when RL starts, for any critic_init: the critic's initial bias
+    # as an experimental factor (the paper's Fig. 2 critic is pessimistic: < 0). 0 = the critic as initialized.
     c.critic_init_bias = 0.0
-    c.run_missing_stages = True
+    c.run_missing_stages = True  # run missing earlier stages first (False: a missing stage is an error).
     c.stage_overrides = stage_overrides()
     # Advantage estimation (paper Algorithm 1).
-    c.gamma = 1.0
-    c.lambda_actor = 0.95
-    c.lambda_critic = 1.0
+    c.gamma = 1.0  # discount per token.
+    c.lambda_actor = 0.95  # GAE lambda of the policy's advantages.
+    c.lambda_critic = 1.0  # GAE lambda of the critic's value targets (1.0 = Monte-Carlo returns; VC-PPO).
     c.adaptive_lambda = False  # VAPO: lambda_actor = 1 - 1 / (alpha * length) per sequence.
-    c.adaptive_lambda_alpha = 0.05
-    c.whiten_advantages = True
-    c.grpo_normalize_std = True
+    c.adaptive_lambda_alpha = 0.05  # VAPO's alpha.
+    c.whiten_advantages = True  # normalize GAE advantages over the batch (mean 0, std 1).
+    c.grpo_normalize_std = True  # group advantages divided by the group's std (False: Dr. GRPO).
     # Objective.
-    c.clip_low = 0.2
+    c.clip_low = 0.2  # PPO ratio clip below 1.
     c.clip_high = 0.2  # > clip_low = clip-higher (DAPO/VAPO).
     c.dual_clip = 0.0  # 0 disables; otherwise > 1.
     c.value_clip = 0.0  # 0 disables.
-    c.loss_agg = "token-mean"
-    c.kl_coef = 0.0
-    c.kl_estimator = "k3"
-    c.kl_in_reward = False
-    c.entropy_coef = 0.0
+    c.loss_agg = "token-mean"  # how token losses are averaged over a batch (losses.AGG_MODES).
+    c.kl_coef = 0.0  # weight of the KL to the reference (SFT) policy; 0 = no reference pass.
+    c.kl_estimator = "k3"  # KL estimator (losses.KL_KINDS).
+    c.kl_in_reward = False  # KL as a per-token reward penalty instead of a loss term.
+    c.entropy_coef = 0.0  # entropy bonus weight.
     c.nll_coef = 0.0  # VAPO positive-example LM loss weight.
-    c.reward_correct = 1.0
-    c.reward_wrong = -1.0
+    c.reward_correct = 1.0  # the verifier's reward for a right answer.
+    c.reward_wrong = -1.0  # the verifier's reward for a wrong or missing answer.
     # Rollouts.
-    # 64 responses per step: with 32 the update's noise costs as much accuracy as its signal gains (README, "Does RL
-    # learn?").
+    # prompts_per_step: prompts sampled per RL step, each `group_size` times. 64 responses per step: with 32 the
+    # update's noise costs as much accuracy as its signal gains (experiments/STUDIES.md).
     c.prompts_per_step = 16
-    c.group_size = 4
+    c.group_size = 4  # responses sampled per prompt.
     c.sampling = sampling_config()
     # Updates. The learning rates suit the tiny CPU model; LLM-scale runs use ~1e-6 (actor) and ~1e-5 (critic).
-    c.num_epochs = 1
-    c.num_minibatches = 2
+    c.num_epochs = 1  # passes over each step's rollouts.
+    c.num_minibatches = 2  # optimizer updates per epoch (must divide prompts_per_step * group_size).
     c.actor_optim = optim_config(3e-5)
     # Adam's first update moves every weight by lr * sign(grad) whatever the gradient's size; from a converged SFT
     # policy that alone breaks its outputs at larger lrs. Ramp the lr over the first optimizer updates instead.
     c.actor_optim.warmup_steps = 10
     c.critic_optim = optim_config(3e-4)
-    c.logprob_chunk = 128
+    c.logprob_chunk = 128  # response tokens per chunk of the log-prob computation (bounds the [T, vocab] logits).
     # Loop.
-    c.num_steps = 60
-    c.eval_every = 20
-    c.eval_prompts = 64
+    c.num_steps = 60  # RL iterations.
+    c.eval_every = 20  # steps between evaluations (and at step 0).
+    c.eval_prompts = 64  # first test problems evaluated (the probe set).
     c.save_every = 20
     c.diag_buckets = 16  # token-position buckets for the value/advantage-by-position diagnostics.
-    c.diag_early_tokens = 16
-    # Controls that separate learning from drift. shuffle_rewards: train on the batch's rewards permuted across
-    # responses (same rewards and lengths, no link to the answers); rollout/accuracy still reports the true ones.
+    c.diag_early_tokens = 16  # first tokens counted as early in diag/adv_early_bias.
+    # Controls that separate learning from drift.
+    # shuffle_rewards: train on the batch's rewards permuted across responses (same rewards and lengths, no link to
+    # the answers); rollout/accuracy still reports the true ones.
+    c.shuffle_rewards = False
     # eval_kl_to_sft: at each evaluation also sample the probe prompts at the training temperature and report
     # probe/pass@1 and probe/kl_to_sft (per-token KL(policy || SFT policy); holds the SFT params in memory).
-    c.shuffle_rewards = False
     c.eval_kl_to_sft = True
-    # Host hooks (vcppo_jax/hooks.py, DAPO): reward shaping of what the update trains on ('overlong': a penalty
-    # falling linearly to -overlong_penalty over the last overlong_buffer tokens before max_response_len) and
-    # group filtering ('mixed': keep groups neither all right nor all wrong, sampling up to max_sampling_rounds
-    # prompt batches per step to fill the batch). 'none' = off.
+    # Host hooks (vcppo_jax/hooks.py, DAPO); 'none' = off.
+    # reward_shaping: reward shaping of what the update trains on ('overlong': a penalty falling linearly to
+    # -overlong_penalty over the last overlong_buffer tokens before max_response_len).
     c.reward_shaping = "none"
-    c.overlong_buffer = 0
-    c.overlong_penalty = 1.0
+    c.overlong_buffer = 0  # tokens before max_response_len over which 'overlong' shaping applies.
+    c.overlong_penalty = 1.0  # the 'overlong' penalty at max_response_len.
+    # group_filter: 'mixed' keeps groups neither all right nor all wrong, sampling up to max_sampling_rounds prompt
+    # batches per step to fill the batch (DAPO's dynamic sampling).
     c.group_filter = "none"
-    c.max_sampling_rounds = 3
+    c.max_sampling_rounds = 3  # most prompt batches sampled per step with a group filter.
     return c
 
 
 def base_sft_config() -> ml_collections.ConfigDict:
     c = _common("sft", "runs/default/sft")
-    c.batch_size = 32
-    c.num_steps = 650
+    c.batch_size = 32  # traces per SFT step.
+    c.num_steps = 650  # SFT steps.
     c.direct_fraction = 0.3  # fraction of traces in short "direct answer" style (lets a policy collapse to short).
-    # Over the last `late_steps` steps the share is `late_direct_fraction` instead (0 steps = off): a cold start that
-    # keeps the chain-of-thought skill of its main phase but ends up preferring the short answer (README, "Does RL
-    # learn?").
+    # late_steps: over the last `late_steps` steps the share is `late_direct_fraction` instead (0 steps = off): a cold
+    # start that keeps the chain-of-thought skill of its main phase but ends up preferring the short answer
+    # (experiments/STUDIES.md).
     c.late_steps = 50
-    c.late_direct_fraction = 0.7
-    # 0: every batch padded to max_prompt_len + max_response_len. k > 0: each batch trimmed to its longest prompt and
-    # target, rounded up to a multiple of k (same loss; the default task's batches are 58% padding, and k = 1 made
-    # the SFT step 0.43 s instead of 0.71 s here). The mechanism studies pin 0, the setting they were run with.
+    c.late_direct_fraction = 0.7  # the direct-answer share of the late phase.
+    # pad_to_multiple: 0 = every batch padded to max_prompt_len + max_response_len. k > 0: each batch trimmed to its
+    # longest prompt and target, rounded up to a multiple of k (same loss; the default task's batches are 58% padding,
+    # and k = 1 made the SFT step 0.43 s instead of 0.71 s on 2 CPU cores). The mechanism studies pin 0.
     c.pad_to_multiple = 1
     c.optim = optim_config(3e-3)
     c.optim.warmup_steps = 20
     c.optim.decay_steps = 630
-    c.eval_every = 100
+    c.eval_every = 100  # steps between greedy evaluations.
     c.save_every = 100
-    c.eval_prompts = 64
+    c.eval_prompts = 64  # first test problems evaluated.
     c.sampling = sampling_config()
     return c
 
@@ -253,32 +280,32 @@ def base_sft_config() -> ml_collections.ConfigDict:
 def base_value_config(stage: str) -> ml_collections.ConfigDict:
     """Value pretraining (stage='value_pretrain') and outcome reward model (stage='reward_model') share a layout."""
     c = _common(stage, f"runs/default/{stage}")
-    c.sft_dir = "runs/default/sft"
-    c.run_missing_stages = True
+    c.sft_dir = "runs/default/sft"  # the SFT stage (or HF folder) whose policy is sampled and whose backbone is used.
+    c.run_missing_stages = True  # run a missing SFT stage first (False: it is an error).
     c.stage_overrides = stage_overrides()
     c.critic_init = "actor"  # value_pretrain may also start from 'reward_model' (set critic_dir).
-    c.critic_dir = ""
-    c.prompts_per_step = 8
-    c.group_size = 4
-    c.num_minibatches = 2
+    c.critic_dir = ""  # the reward-model stage to start from when critic_init='reward_model'.
+    c.prompts_per_step = 8  # prompts sampled per step, each `group_size` times.
+    c.group_size = 4  # responses sampled per prompt.
+    c.num_minibatches = 2  # optimizer updates per step.
     c.sampling = sampling_config()
     c.optim = optim_config(3e-4)
     c.optim.warmup_steps = 10
-    c.gamma = 1.0
-    c.reward_correct = 1.0
-    c.reward_wrong = -1.0
-    # reward_model only: the fraction of responses labelled failures at a random cut (value_train.value_targets);
-    # > 0 gives the pessimistic reward model of the mechanism study.
+    c.gamma = 1.0  # discount of the Monte-Carlo return targets.
+    c.reward_correct = 1.0  # the verifier's reward for a right answer.
+    c.reward_wrong = -1.0  # the verifier's reward for a wrong or missing answer.
+    # truncated_fraction: reward_model only: the fraction of responses labelled failures at a random cut
+    # (value_train.value_targets); > 0 gives the pessimistic reward model of the mechanism study.
     c.truncated_fraction = 0.0
-    c.min_steps = 20
-    c.max_steps = 80
+    c.min_steps = 20  # steps before the convergence test may stop the stage.
+    c.max_steps = 80  # most steps.
     c.save_every = 20
-    # Converged when, over the last `converge_window` steps vs the window before, value loss changed by less than
-    # `converge_rtol` (relative) and explained variance by less than `converge_atol`.
+    # converge_window: converged when, over the last `converge_window` steps vs the window before, value loss changed
+    # by less than `converge_rtol` (relative) and explained variance by less than `converge_atol`.
     c.converge_window = 8
-    c.converge_rtol = 0.05
-    c.converge_atol = 0.02
-    c.logprob_chunk = 128
+    c.converge_rtol = 0.05  # relative change of the value loss between windows.
+    c.converge_atol = 0.02  # absolute change of the explained variance between windows.
+    c.logprob_chunk = 128  # not read by the value stages (validated only; the RL stage chunks its log-probs).
     return c
 
 
