@@ -43,13 +43,13 @@ def model_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         hf_path="",  # local HF folder (config.json + safetensors); '' = build from the fields below.
         model_type="qwen2",  # a SUPPORTED_MODEL_TYPES family; it decides q/k/v biases (qwen2) and q/k norms (qwen3).
-        vocab_size=0,  # 0 = take it from the tokenizer.
+        vocab_size=0,  # vocabulary size; 0 = take it from the tokenizer.
         hidden_size=128,  # width of the residual stream.
         intermediate_size=384,  # width of the SwiGLU MLP.
         num_layers=4,  # decoder layers.
         num_heads=4,  # query heads.
         num_kv_heads=2,  # key/value heads (grouped-query attention; must divide num_heads).
-        head_dim=0,  # 0 = hidden_size // num_heads.
+        head_dim=0,  # width of each attention head; 0 = hidden_size // num_heads.
         rope_theta=10000.0,  # RoPE base frequency.
         rms_norm_eps=1e-6,  # RMSNorm epsilon.
         tie_embeddings=True,  # the LM head shares the token embedding matrix.
@@ -66,7 +66,7 @@ def model_config() -> ml_collections.ConfigDict:
 def task_config() -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(dict(
         name="synthetic",  # the task (rewards.TASKS): its data builder and its verifier.
-        data_dir="",  # '' = <workdir root>/tfds.
+        data_dir="",  # where the task's TFDS data is built or read; '' = <workdir root>/tfds.
         tokenizer_path="",  # '' = the synthetic char-level tokenizer (or model.hf_path's tokenizer when set).
         train_split="train",  # split RL, SFT and value pretraining sample prompts from.
         test_split="test",  # split the evaluations read.
@@ -200,9 +200,9 @@ def base_rl_config(algorithm: str) -> ml_collections.ConfigDict:
     c.grpo_normalize_std = True  # group advantages divided by the group's std (False: Dr. GRPO).
     # Objective.
     c.clip_low = 0.2  # PPO ratio clip below 1.
-    c.clip_high = 0.2  # > clip_low = clip-higher (DAPO/VAPO).
-    c.dual_clip = 0.0  # 0 disables; otherwise > 1.
-    c.value_clip = 0.0  # 0 disables.
+    c.clip_high = 0.2  # PPO ratio clip above 1; > clip_low = clip-higher (DAPO/VAPO).
+    c.dual_clip = 0.0  # dual-clip bound on the ratio of negative-advantage tokens; 0 disables, otherwise > 1.
+    c.value_clip = 0.0  # clip range of new values around the old ones in the value loss; 0 disables.
     c.loss_agg = "token-mean"  # how token losses are averaged over a batch (losses.AGG_MODES).
     c.kl_coef = 0.0  # weight of the KL to the reference (SFT) policy; 0 = no reference pass.
     c.kl_estimator = "k3"  # KL estimator (losses.KL_KINDS).
@@ -283,7 +283,7 @@ def base_value_config(stage: str) -> ml_collections.ConfigDict:
     c.sft_dir = "runs/default/sft"  # the SFT stage (or HF folder) whose policy is sampled and whose backbone is used.
     c.run_missing_stages = True  # run a missing SFT stage first (False: it is an error).
     c.stage_overrides = stage_overrides()
-    c.critic_init = "actor"  # value_pretrain may also start from 'reward_model' (set critic_dir).
+    c.critic_init = "actor"  # the critic starts from the policy's backbone, or (value_pretrain) a 'reward_model'.
     c.critic_dir = ""  # the reward-model stage to start from when critic_init='reward_model'.
     c.prompts_per_step = 8  # prompts sampled per step, each `group_size` times.
     c.group_size = 4  # responses sampled per prompt.
