@@ -405,7 +405,7 @@ def generated() -> dict[pathlib.Path, str]:
 
 def stale() -> list[str]:
     """The documents whose text differs from what this script generates."""
-    return [str(p.relative_to(ROOT)) for p, text in generated().items()
+    return [str(p.relative_to(ROOT) if p.is_relative_to(ROOT) else p) for p, text in generated().items()
             if not p.exists() or p.read_text() != text]
 
 
