@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from vcppo_jax.models import CausalLM, KVCache, init_cache, position_ids
+from vcppo_jax.sharding import mesh_platform
 
 Array = jax.Array
 _CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
@@ -45,6 +46,12 @@ _CACHE_AXES = ("layers", "batch", "kv_heads", "length", "head_dim")
 KV_CACHE_DTYPES = ("compute", "bfloat16")
 # How a batch is decoded (module docstring): all rows to the longest ('dense'), or refilled decode slots ('slots').
 ENGINES = ("dense", "slots")
+# Key block of a decode step's attention on CPU. A step reads the cache's filled blocks (`cache_prefix_attention`);
+# the model's block (512 by default, sized for the training kernels) spans a whole short cache, so every step read all
+# P + R slots, and a block as long as the cache made XLA copy the layer's whole cache twice per layer and step: 37.9
+# vs 7.3 ms a step (64 rows, 368 slots, experiments/bench_rollout.py's model; blocks 32-128 within 1%). Accelerators
+# keep the model's block: each block is a loop trip of several kernels there.
+DECODE_BLOCK_CPU = 64
 
 
 class SampleOutput(NamedTuple):
@@ -121,6 +128,15 @@ def _constrain(cache: KVCache) -> KVCache:
     return KVCache(*(nn.with_logical_constraint(x, _CACHE_AXES) for x in cache))
 
 
+def _decode_model(model: CausalLM) -> CausalLM:
+    """The model the decode steps run (the prefill keeps `model`): on CPU, attention over blocks of at most
+    DECODE_BLOCK_CPU slots (the same parameters; the online softmax only splits differently, float rounding)."""
+    block = min(model.cfg.attention_block_size, DECODE_BLOCK_CPU)
+    if mesh_platform() != "cpu" or block == model.cfg.attention_block_size:
+        return model
+    return CausalLM(model.cfg.replace(attention_block_size=block))
+
+
 def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array, prompt_mask: Array,
               rng: Array) -> SampleOutput:
     b, p = prompt_tokens.shape
@@ -133,6 +149,7 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
     step_keys = lambda t: jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, t)  # noqa: E731
     last_logits = lambda hidden: model.apply(variables, hidden[:, -1], method=CausalLM.logits)  # noqa: E731
     is_eos = lambda tok: jnp.isin(tok, jnp.asarray(opts.stop_ids, jnp.int32))  # noqa: E731 (no stop ids: never)
+    decoder = _decode_model(model)
 
     # Prefill: the prompt's last slot (always real under left padding) predicts response token 0.
     kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
@@ -154,7 +171,7 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
         slot = p + t - 1
         prev = jax.lax.dynamic_slice_in_dim(response, t - 1, 1, axis=1)
         kv_mask = kv_mask.at[:, slot].set(True)
-        hidden, cache = model.apply(variables, prev, (n_real + t - 1)[:, None], kv_mask, cache, slot)
+        hidden, cache = decoder.apply(variables, prev, (n_real + t - 1)[:, None], kv_mask, cache, slot)
         token, logp = _choose(last_logits(hidden), step_keys(t), opts)
         token = jnp.where(done, opts.pad_id, token)
         logp = jnp.where(done, 0.0, logp)
@@ -205,6 +222,7 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
     row_keys = jax.vmap(lambda i: jax.random.fold_in(rng, i))(jnp.arange(b, dtype=jnp.int32))  # as `_generate`
     is_eos = lambda tok: jnp.isin(tok, jnp.asarray(opts.stop_ids, jnp.int32))  # noqa: E731
     cache_dtype = None if opts.kv_cache_dtype == "compute" else jnp.dtype(opts.kv_cache_dtype)
+    decoder = _decode_model(model)
 
     def refill(st: _SlotState) -> _SlotState:
         """Prefills row `next_row` into the first free slot and samples its response token 0 (`_generate`'s
@@ -230,7 +248,7 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
     def one_row(token: Array, position: Array, kv_mask: Array, k: Array, v: Array, index: Array):
         """One slot's decode step, vmapped over the slots (each at its own cache index): token/position [],
         kv_mask [P + R], k/v [L, K, P + R, H] -> (hidden [D], k, v)."""
-        hidden, cache = model.apply(variables, token[None, None], position[None, None], kv_mask[None],
+        hidden, cache = decoder.apply(variables, token[None, None], position[None, None], kv_mask[None],
                                     KVCache(k[:, None], v[:, None]), index)
         return hidden[0, 0], cache.k[:, 0], cache.v[:, 0]
 
