@@ -38,8 +38,7 @@ def libtpu() -> str:
 
 
 SUBPROCESS = textwrap.dedent("""
-    import json, pathlib, sys
-    sys.path.insert(0, {tests!r})
+    import json, pathlib
     from test_dry_run import tiny
     from vcppo_jax import stages
 
@@ -52,9 +51,9 @@ SUBPROCESS = textwrap.dedent("""
 
 
 def test_tiny_rl_with_splash_and_a_multihost_sft_compile_for_tpu_slices(libtpu, tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(str(REPO / d) for d in ("tests", "experiments")))
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # compile-only TPU executables are not for the CPU session's cache
-    proc = subprocess.run([sys.executable, "-c", SUBPROCESS.format(tests=str(REPO / "tests"), tmp=str(tmp_path))],
+    proc = subprocess.run([sys.executable, "-c", SUBPROCESS.format(tmp=str(tmp_path))],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rl, sft = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("PLANS "))[6:])
