@@ -16,12 +16,13 @@ refilling slots cannot help and must not hurt.
 
 Measured per workload, each call timed `--repeats` times round-robin (the machine is shared; the median is kept):
   dense   vcppo_jax.sampling, engine='dense' (every step computes all 64 rows until the longest ends)
-  slots   engine='slots' with `--slots` decode slots (0 = the engine's auto choice); also a sweep over `--sweep`
+  slots   engine='slots' with `--slots` decode slots (0 = the engine's auto choice), narrowed at the tail; also a
+          sweep over `--sweep`
   hf_generate             transformers' `generate` on the padded batch (stops rows at EOS, computes them all)
   hf_continuous_batching  transformers' `generate_batch` (paged continuous batching) where it runs
 Tokens/s = generated tokens (each row's length, EOS included) / median seconds; live_fraction = the share of decode
-row-steps that computed a live row (sum(lengths - 1) / (steps x rows per step)); speedup_vs_dense = tokens/s over the
-dense engine's in the same run.
+row-steps that computed a live row, as the engine counted them (sum(lengths - 1) / SampleOutput.decode_rows);
+speedup_vs_dense = tokens/s over the dense engine's in the same run.
 
 Run (from the repo root; ~5 minutes on 2 cores):
   .venv/bin/python experiments/bench_rollout.py --out experiments/results/rollout/bench.json
@@ -156,7 +157,7 @@ def main() -> None:
         want = np.where(np.arange(r)[None, :] < lengths[:, None], lengths[:, None] - np.arange(r)[None, :], PAD_ID)
         widths = {"dense": b, "slots": slots} | ({f"slots_{s}": slot_count(s, b) for s in sweep}
                                                  if workload == "long" else {})
-        steps: dict[str, int] = {}
+        steps: dict[str, tuple[int, int]] = {}  # name -> (decode steps, decode rows computed)
 
         def ours(name: str, width: int) -> Callable[[], np.ndarray]:
             engine = dict(engine="dense") if name == "dense" else dict(engine="slots", num_slots=width)
@@ -166,7 +167,7 @@ def main() -> None:
 
             def call() -> np.ndarray:
                 out = jax.device_get(sampler(params, tokens, mask, jax.random.key(next(calls))))
-                steps[name] = int(out.num_steps)
+                steps[name] = int(out.num_steps), int(out.decode_rows)
                 return out.tokens[:, p:]
             return call
 
@@ -211,9 +212,9 @@ def main() -> None:
         for name, seconds in round_robin(fns, opts["repeats"]).items():
             results[name].update(seconds=round(seconds, 3), tokens_per_s=round(float(lengths.sum()) / seconds, 1))
             if name in widths:
-                results[name]["rows_per_step"] = widths[name]
-                results[name]["decode_steps"] = steps[name]
-                results[name]["live_fraction"] = round(float((lengths - 1).sum()) / (steps[name] * widths[name]), 3)
+                results[name]["rows_per_step"] = widths[name]  # at most: 'slots' narrows at the tail
+                results[name]["decode_steps"], results[name]["decode_rows"] = steps[name]
+                results[name]["live_fraction"] = round(float((lengths - 1).sum()) / steps[name][1], 3)
         dense = results["dense"]["tokens_per_s"]
         for res in results.values():
             if "tokens_per_s" in res:

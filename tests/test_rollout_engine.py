@@ -12,7 +12,7 @@ from vcppo_jax import config as config_lib
 from vcppo_jax import rl
 from vcppo_jax import sharding as shd
 from vcppo_jax.rollout import to_rollout
-from vcppo_jax.sampling import ENGINES, make_sampler, sampler_from_config
+from vcppo_jax.sampling import ENGINES, make_sampler, sampler_from_config, slot_widths
 
 from test_sampling import CFG, MODEL, PAD_ID, _abstract, params  # noqa: F401 (params: the module's fixture)
 
@@ -50,20 +50,38 @@ def three_slots(params, prompts, eos):
 
 def test_slots_sample_what_dense_samples(params, prompts, eos, three_slots):
     """Each row samples the same tokens and log-probs whether it decodes with all rows (dense), alone in one slot
-    (each row after the previous one ended), or in 3 slots refilled as rows end: its PRNG stream is keyed by its row
-    index, and its cache layout and positions are the dense engine's."""
+    (each row after the previous one ended), or in 3 or 4 slots refilled as rows end and narrowed (3 -> 1,
+    4 -> 2 -> 1) once no row waits: its PRNG stream is keyed by its row index, its positions are the dense engine's,
+    and where its keys sit in the cache does not enter attention's sum."""
     dense = _sample(params, prompts, TEMP, eos)
     lengths = dense.lengths
     assert lengths.max() == R and len(set(lengths.tolist())) >= 3, lengths  # rows end at different times
+    assert int(dense.decode_rows) == int(dense.num_steps) * B
     live = {}
-    for slots, out in [(1, _sample(params, prompts, TEMP, eos, engine="slots", num_slots=1)), (3, three_slots)]:
+    for slots, out in [(1, _sample(params, prompts, TEMP, eos, engine="slots", num_slots=1)), (3, three_slots),
+                       (4, _sample(params, prompts, TEMP, eos, engine="slots", num_slots=4))]:
         np.testing.assert_array_equal(out.tokens, dense.tokens)
         np.testing.assert_array_equal(out.lengths, lengths)
         np.testing.assert_array_equal(out.response_mask, dense.response_mask)
         np.testing.assert_allclose(out.logprobs, dense.logprobs, atol=1e-5)
-        live[slots] = (lengths - 1).sum() / (int(out.num_steps) * slots)
+        live[slots] = (lengths - 1).sum() / int(out.decode_rows)
+        assert int(out.decode_rows) <= int(out.num_steps) * slots
     assert live[1] == 1.0  # one slot: every decode step computes the live row, rows one after another
-    assert (lengths - 1).sum() / (int(dense.num_steps) * B) < live[3]
+    assert (lengths - 1).sum() / int(dense.decode_rows) < min(live[3], live[4])
+
+
+def test_tail_narrowing_counts_the_rows_it_computes(params, prompts, eos):
+    """With B slots every row starts at once, so before decode step k the live rows are those longer than k; each
+    step runs at the narrowest width of S, S // 2, ..., 1 that holds them, and decode_rows sums those widths (a
+    numpy count from the dense engine's lengths). The rows still sample what the dense engine samples."""
+    assert slot_widths(8) == (8, 4, 2, 1) and slot_widths(3) == (3, 1) and slot_widths(1) == (1,)
+    dense = _sample(params, prompts, TEMP, eos)
+    out = _sample(params, prompts, TEMP, eos, engine="slots", num_slots=B)
+    np.testing.assert_array_equal(out.tokens, dense.tokens)
+    live = [(dense.lengths > k).sum() for k in range(1, dense.lengths.max())]
+    widths = [min(w for w in slot_widths(B) if w >= n) for n in live]
+    assert widths[-1] < B  # the tail did narrow
+    assert int(out.num_steps) == len(live) and int(out.decode_rows) == sum(widths)
 
 
 def test_slots_logprobs_match_the_trainers(params, prompts, three_slots):

@@ -12,10 +12,13 @@ Two engines (ENGINES), the same output:
 - 'dense': every row decodes until the longest row ends; a step computes all B rows, ended ones included.
 - 'slots': `num_slots` S < B decode slots, each holding one row's KV cache [P + R]; a slot whose row ends (stop
   token or R tokens) is refilled with the next waiting prompt (a one-row prefill into that slot), so a step
-  computes S rows that are nearly all live. Same per-row keys and cache layout, so each row samples the tokens the
-  dense engine samples (up to float rounding). Where a step's cost grows with its rows (CPU), mixed response
-  lengths then cost what is generated, not B x the longest; on an accelerator a wide batch costs about what a
-  narrow one does, and 'dense' is the right choice.
+  computes S rows that are nearly all live. Once no prompt waits, the live rows move into S // 2, S // 4, ..., 1
+  slots as soon as they fit (tail narrowing: static widths, one loop each), so the batch's last rows stop computing
+  dead slots. Same per-row keys and positions, so each row samples the tokens the dense engine samples (up to float
+  rounding). Where a step's cost grows with its rows (CPU), mixed response lengths then cost what is generated,
+  not B x the longest; on an accelerator a wide batch costs about what a narrow one does, and 'dense' is the
+  right choice. What 'slots' still wastes: a step attends every slot over the cache columns of its most advanced
+  row (the model's kernel reads one key range for the whole batch), masked for the younger rows.
 
 Use with a mesh: pass batch-sharded prompts (`sharding.shard_batch`) and sharded params, and call inside
 `sharding.use_mesh(mesh)` so the model's logical constraints (and the cache's) are active; B must then be a
@@ -64,8 +67,11 @@ class SampleOutput(NamedTuple):
       top-k / top-p renormalization); greedy (temperature 0): under softmax(logits) at temperature 1. 0 where
       masked.
     num_steps: [] int32, decode forward passes run after the prefill. 'dense': of all B rows, max(lengths) - 1
-      (the loop stops once every row has emitted EOS); 'slots': of the S slots, prefills into slots not counted.
-      sum(lengths - 1) / (num_steps * rows per step) is the fraction of decode compute spent on live rows.
+      (the loop stops once every row has emitted EOS); 'slots': of S slots or fewer (tail narrowing), prefills into
+      slots not counted.
+    decode_rows: [] int32, rows computed by those passes, live or not (the sum of each pass's width): 'dense':
+      num_steps * B. sum(lengths - 1) / decode_rows is the fraction of decode compute spent on live rows. None
+      where a caller builds a SampleOutput by hand (test doubles); the engines always set it.
     """
 
     tokens: Array
@@ -73,6 +79,7 @@ class SampleOutput(NamedTuple):
     lengths: Array
     logprobs: Array
     num_steps: Array
+    decode_rows: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,16 +190,26 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
     t, _, _, response, logprobs, _, lengths = jax.lax.while_loop(cond, body, state)
     response_mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.float32)
     return SampleOutput(tokens=jnp.concatenate([prompt_tokens, response], axis=1), response_mask=response_mask,
-                        lengths=lengths, logprobs=logprobs * response_mask, num_steps=t - 1)
+                        lengths=lengths, logprobs=logprobs * response_mask, num_steps=t - 1, decode_rows=(t - 1) * b)
 
 
 def slot_count(num_slots: int, batch: int) -> int:
-    """Decode slots the 'slots' engine runs for `batch` rows: `num_slots` (0 = auto: batch // 8, at least 1),
-    at most `batch`. Auto: on 2 CPU cores a step's cost grows about linearly with its rows, so fewer slots waste
-    less at the tail (the last rows run while the other slots idle) for more, smaller steps. On the long-response
-    workload of experiments/bench_rollout.py (64 rows), 8 slots did best of 4, 8 and 16
-    (experiments/results/rollout)."""
+    """Decode slots the 'slots' engine starts with for `batch` rows: `num_slots` (0 = auto: batch // 8, at least 1),
+    at most `batch`. Auto: on 2 CPU cores a step's cost grows about linearly with its rows, and faster than that
+    for wide batches with long caches (64 rows x 368 columns: 0.33 ms a row, 8 rows: 0.23 ms); fewer slots also
+    make more, smaller steps (~0.2 ms each of fixed cost) and a wider spread of the slots' columns that every slot
+    attends over. On the long-response workload of experiments/bench_rollout.py (64 rows, with tail narrowing),
+    8 and 12 slots did best of 4, 8, 12, 16, 32 and 64 (4: 1.24x dense, 64: 1.28x, 8: 1.43-1.69x, noisy host)."""
     return max(1, min(num_slots or batch // 8, batch))
+
+
+def slot_widths(num_slots: int) -> tuple[int, ...]:
+    """The static widths the 'slots' engine decodes at: S, S // 2, ..., 1. Once no row waits, the live rows move
+    into the next width as soon as they fit (tail narrowing), so the batch's last rows stop computing dead slots."""
+    widths = [num_slots]
+    while widths[-1] > 1:
+        widths.append(widths[-1] // 2)
+    return tuple(widths)
 
 
 class _SlotState(NamedTuple):
@@ -210,6 +227,7 @@ class _SlotState(NamedTuple):
     logprobs: Array  # [B, R] float32
     lengths: Array  # [B] int32
     num_steps: Array  # [] int32: decode steps run
+    decode_rows: Array  # [] int32: slots computed by those steps (the sum of their widths)
 
 
 def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array, prompt_mask: Array,
@@ -245,47 +263,72 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
             response=st.response.at[row, 0].set(token[0]), logprobs=st.logprobs.at[row, 0].set(logp[0]),
             lengths=st.lengths.at[row].set(1))
 
-    def one_row(token: Array, position: Array, kv_mask: Array, k: Array, v: Array, index: Array):
-        """One slot's decode step, vmapped over the slots (each at its own cache index): token/position [],
-        kv_mask [P + R], k/v [L, K, P + R, H] -> (hidden [D], k, v)."""
-        hidden, cache = decoder.apply(variables, token[None, None], position[None, None], kv_mask[None],
-                                    KVCache(k[:, None], v[:, None]), index)
-        return hidden[0, 0], cache.k[:, 0], cache.v[:, 0]
-
     def decode(st: _SlotState) -> _SlotState:
-        """Feeds each slot's token t - 1 (cache column P + t - 1) and samples its token t. Free slots compute too
-        (static shapes); what they write is never read: their rows are dropped and a refill resets them."""
-        index = p + st.t - 1
-        kv_mask = st.kv_mask.at[jnp.arange(s), index].set(True)
-        hidden, k, v = jax.vmap(one_row, in_axes=(0, 0, 0, 1, 1, 0), out_axes=(0, 1, 1))(
-            st.prev, st.n_real + st.t - 1, kv_mask, st.cache.k, st.cache.v, index)
-        logits = model.apply(variables, hidden, method=CausalLM.logits)
+        """Feeds each slot's token t - 1 and samples its token t, as the dense engine does, in one batched step.
+        The model writes a step's keys/values at one cache column shared by the batch, while each slot's token
+        t - 1 belongs in its own column P + t - 1: the step writes them all at the live slots' largest own column
+        m (the later columns are no slot's yet) and attends each slot's real columns plus m; then each slot's
+        entry moves from m to its own column. Attention is a sum over keys, so where a key sits does not matter
+        (positions are the rows' own). Free slots compute too (static shapes); what they write is never read:
+        their rows are dropped and a refill resets them."""
+        width = st.live.shape[0]
+        index = p + st.t - 1  # [S] each slot's own column
+        shared = jnp.max(jnp.where(st.live, index, p))
+        hidden, cache = decoder.apply(variables, st.prev[:, None], (st.n_real + st.t - 1)[:, None],
+                                      st.kv_mask.at[:, shared].set(True), st.cache, shared)
+        slots = jnp.arange(width)
+        # [L, S, K, P + R, H] indexed at (slots, index) on axes 1 and 3 -> updates [S, L, K, H].
+        moved = (c.at[:, slots, :, index].set(jnp.moveaxis(jax.lax.dynamic_index_in_dim(c, shared, 3, False), 1, 0))
+                 for c in cache)
+        logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
         keys = jax.vmap(jax.random.fold_in)(row_keys[st.row], st.t)
         token, logp = _choose(logits, keys, opts)
         out_row = jnp.where(st.live, st.row, b)  # b: out of range, dropped
         return st._replace(
-            cache=_constrain(KVCache(k, v)), kv_mask=kv_mask, live=st.live & ~is_eos(token) & (st.t + 1 < r),
-            t=jnp.minimum(st.t + 1, r), prev=token,
+            cache=_constrain(KVCache(*moved)), kv_mask=st.kv_mask.at[slots, index].set(True),
+            live=st.live & ~is_eos(token) & (st.t + 1 < r), t=jnp.minimum(st.t + 1, r), prev=token,
             response=st.response.at[out_row, st.t].set(token, mode="drop"),
             logprobs=st.logprobs.at[out_row, st.t].set(logp, mode="drop"),
-            lengths=st.lengths.at[out_row].add(1, mode="drop"), num_steps=st.num_steps + 1)
+            lengths=st.lengths.at[out_row].add(1, mode="drop"), num_steps=st.num_steps + 1,
+            decode_rows=st.decode_rows + width)
 
     def fill(st: _SlotState) -> _SlotState:
         """Refills free slots while rows wait (a loop of its own: a `lax.cond` choosing refill or decode in one
         loop made the decode steps ~8% slower on CPU)."""
         return jax.lax.while_loop(lambda st: (st.next_row < b) & ~jnp.all(st.live), refill, st)
 
+    def narrow(st: _SlotState, width: int) -> _SlotState:
+        """The state with its first `width` slots holding every live slot (stable: live slots first, in order);
+        called once no row waits and at most `width` slots are live. Copies those slots' caches, once."""
+        keep = jnp.argsort(~st.live, stable=True)[:width]
+        take = lambda x, axis=0: jnp.take(x, keep, axis=axis)  # noqa: E731
+        return st._replace(cache=_constrain(KVCache(take(st.cache.k, 1), take(st.cache.v, 1))),
+                           kv_mask=take(st.kv_mask), live=take(st.live), row=take(st.row), t=take(st.t),
+                           prev=take(st.prev), n_real=take(st.n_real))
+
+    def fits(st: _SlotState, width: int) -> Array:
+        """[] bool: no row waits and the live slots fit in `width` slots (0: none is live)."""
+        return (st.next_row >= b) & (jnp.sum(st.live) <= width)
+
     zeros = jnp.zeros((s,), jnp.int32)
     init = _SlotState(
         cache=_constrain(init_cache(model.cfg, s, p + r, cache_dtype)), kv_mask=jnp.zeros((s, p + r), bool),
         live=jnp.zeros((s,), bool), row=zeros, t=zeros + 1, prev=zeros, n_real=zeros, next_row=jnp.int32(0),
         response=jnp.full((b, r), opts.pad_id, jnp.int32), logprobs=jnp.zeros((b, r), jnp.float32),
-        lengths=jnp.zeros((b,), jnp.int32), num_steps=jnp.int32(0))
-    # After `fill` either every slot is live or no row waits: no live slot means every row is done.
-    st = jax.lax.while_loop(lambda st: jnp.any(st.live), lambda st: fill(decode(st)), fill(init))
+        lengths=jnp.zeros((b,), jnp.int32), num_steps=jnp.int32(0), decode_rows=jnp.int32(0))
+    # After `fill` either every slot is live or no row waits: no live slot means every row is done. Each width's
+    # loop runs until the live rows fit the next width (a loop per width: static shapes); only the first refills.
+    widths = slot_widths(s)
+    st = fill(init)
+    for width, narrower in zip(widths, widths[1:] + (0,)):
+        if width < s:
+            st = narrow(st, width)
+        step = (lambda st: fill(decode(st))) if width == s else decode
+        st = jax.lax.while_loop(lambda st, n=narrower: jnp.any(st.live) & ~fits(st, n), step, st)
     response_mask = (jnp.arange(r)[None, :] < st.lengths[:, None]).astype(jnp.float32)
     return SampleOutput(tokens=jnp.concatenate([prompt_tokens, st.response], axis=1), response_mask=response_mask,
-                        lengths=st.lengths, logprobs=st.logprobs * response_mask, num_steps=st.num_steps)
+                        lengths=st.lengths, logprobs=st.logprobs * response_mask, num_steps=st.num_steps,
+                        decode_rows=st.decode_rows)
 
 
 @functools.lru_cache(maxsize=64)
