@@ -48,6 +48,7 @@ from vcppo_jax.data.synthetic import format_cot, format_direct, sample_problem, 
 from vcppo_jax.models import CausalLM, load_hf_checkpoint
 from vcppo_jax.sampling import make_sampler, slot_count
 from bench_rl_step import set_threads
+import provenance
 
 PAD_ID, EOS_ID = 0, 1
 TEMPERATURE = 0.7  # config.sampling.temperature
@@ -235,7 +236,7 @@ def main() -> None:
     if args.out:
         path = pathlib.Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=1) + "\n")
+        path.write_text(json.dumps({**report, "provenance": provenance.record()}, indent=1) + "\n")
         print(f"wrote {path}")
 
 

@@ -50,6 +50,8 @@ import numpy as np
 from vcppo_jax.metrics import (COLLAPSE_CORR, COLLAPSE_VALUE_ERR, COLLAPSE_WINDOW, METRICS_FILE,
                                read_metrics)
 
+import provenance
+
 Records = list[dict[str, Any]]
 Tree = dict[str, dict[int, Records]]  # run name -> seed -> metrics records (sorted by step)
 
@@ -552,6 +554,7 @@ def plot_learning(tree: Tree, path: pathlib.Path) -> pathlib.Path | None:
 def write_json_and_markdown(table: dict[str, Any], markdown: str, results_dir: pathlib.Path,
                             name: str) -> tuple[pathlib.Path, pathlib.Path]:
     js, md = results_dir / f"{name}.json", results_dir / f"{name}.md"
+    table = {**table, "provenance": table.get("provenance") or provenance.record()}
     js.write_text(json.dumps(table, indent=2) + "\n")
     md.write_text(markdown)
     return js, md

@@ -1,6 +1,7 @@
 """The generated documentation: every config field has a description, and the documents equal what
 experiments/make_docs.py generates from config.py and the committed JSON."""
 
+import json
 import pathlib
 
 import make_docs
@@ -45,3 +46,14 @@ def test_check_mode_names_a_stale_document(tmp_path, monkeypatch, capsys):
     (tmp_path / "CONFIG.md").write_text("stale\n")
     assert make_docs.main(["--check"]) == 1
     assert "CONFIG.md is stale" in capsys.readouterr().out
+
+
+def test_a_written_report_records_where_it_came_from(tmp_path):
+    import plot_results  # noqa: PLC0415 (matplotlib, only for this test)
+
+    js, _ = plot_results.write_json_and_markdown({"methods": {}}, "table\n", tmp_path, "study")
+    block = json.loads(js.read_text())["provenance"]
+    assert set(block) == {"command", "commit", "machine", "date"} and all(block.values())
+    kept = {"command": "c", "commit": "x", "machine": "m", "date": "d"}  # a table that says its own provenance
+    js, _ = plot_results.write_json_and_markdown({"provenance": kept}, "", tmp_path, "given")
+    assert json.loads(js.read_text())["provenance"] == kept
