@@ -144,15 +144,15 @@ def _common(stage: str, workdir: str) -> ml_collections.ConfigDict:
 def sampling_config() -> ml_collections.ConfigDict:
     # top_k: keep only the k most likely tokens; 0 = off (evaluation and the sampler's API only; RL refuses it).
     # top_p: nucleus sampling's probability mass; 1.0 = off (evaluation and the sampler's API only; RL refuses it).
-    # decode_slots: decode slots of the 'slots' engine; 0 = batch // 8 (sampling.py).
+    # decode_slots: decode slots of the 'slots' engine; 0 = the batch's rows (tail narrowing only; sampling.py).
     # temperature: sampling temperature of rollouts and sampled evaluations; 0 = greedy.
     # 0.7: at temperature 1 the tiny CPU policy garbles ~80% of its scratchpads (pass@1 ~0.1 vs ~0.45 greedy), which
     # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
     # kv_cache_dtype: 'compute' (the model's dtype) or 'bfloat16' (half an fp32 model's cache; sampling.py).
     # engine: 'dense' (every row decodes until the longest ends) or 'slots' (decode_slots slots refilled with the next
-    # prompt as rows end, then halved as the last rows end; 0 = batch // 8: on CPU, mixed response lengths then cost
-    # what is generated; sampling.py, experiments/bench_rollout.py). Both sample the same tokens for a row, up to
-    # float rounding.
+    # prompt as rows end, then halved as the last rows end: on CPU, mixed response lengths then cost closer to what
+    # is generated; sampling.py, experiments/bench_rollout.py). Both sample the same tokens for a row, up to float
+    # rounding.
     return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0, kv_cache_dtype="compute",
                                           engine="dense", decode_slots=0))
 

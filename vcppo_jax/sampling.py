@@ -194,13 +194,13 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
 
 
 def slot_count(num_slots: int, batch: int) -> int:
-    """Decode slots the 'slots' engine starts with for `batch` rows: `num_slots` (0 = auto: batch // 8, at least 1),
-    at most `batch`. Auto: on 2 CPU cores a step's cost grows about linearly with its rows, and faster than that
-    for wide batches with long caches (64 rows x 368 columns: 0.33 ms a row, 8 rows: 0.23 ms); fewer slots also
-    make more, smaller steps (~0.2 ms each of fixed cost) and a wider spread of the slots' columns that every slot
-    attends over. On the long-response workload of experiments/bench_rollout.py (64 rows, with tail narrowing),
-    8 and 12 slots did best of 4, 8, 12, 16, 32 and 64 (4: 1.24x dense, 64: 1.28x, 8: 1.43-1.69x, noisy host)."""
-    return max(1, min(num_slots or batch // 8, batch))
+    """Decode slots the 'slots' engine starts with for `batch` rows: `num_slots` (0 = auto: `batch`, i.e. no refills,
+    only tail narrowing), at most `batch`. Auto: once the dense decode step reads the cache in short blocks on CPU
+    (DECODE_BLOCK_CPU), a narrow step costs more per row than a wide one, and refilling few slots loses more than it
+    saves. Quiet 2-core host, experiments/bench_rollout.py's long-response workload (64 rows): 8 slots 1.04x the
+    dense engine's tokens/s, 32 slots 1.10-1.18x, 64 slots 1.13-1.19x; uniform lengths: 8 slots 0.63x, 32 0.85x,
+    64 0.93x."""
+    return max(1, min(num_slots or batch, batch))
 
 
 def slot_widths(num_slots: int) -> tuple[int, ...]:
