@@ -25,7 +25,8 @@ def record(note: str | None = None) -> dict[str, str]:
     script = pathlib.Path(sys.argv[0]).resolve()
     shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no"):
+    # Results and documents being rewritten by this very run do not make the code it ran differ from the commit.
+    if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!experiments/results", ":!*.md"):
         commit += " with uncommitted changes"
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     block = {"command": " ".join(["python", str(shown), *sys.argv[1:]]), "commit": commit,
