@@ -305,9 +305,11 @@ def _demote(markdown: str) -> str:
     return "\n".join(f"**{ln.lstrip('#').strip()}**" if ln.startswith("#") else ln for ln in lines).strip("\n")
 
 
-def learning_region() -> str:
-    table = _load("learning.json")
-    return _demote(plot_results.learning_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
+def learning_region(rel: str) -> Callable[[], str]:
+    def render() -> str:
+        table = _load(rel)
+        return _demote(plot_results.learning_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
+    return render
 
 
 def mechanism_region(rel: str) -> Callable[[], str]:
@@ -369,7 +371,8 @@ def transcribed_region(rel: str) -> Callable[[], str]:
 
 DOCUMENTS: dict[str, dict[str, Callable[[], str]]] = {
     "experiments/STUDIES.md": {
-        "learning": learning_region,
+        "learning": learning_region("learning.json"),
+        "learning_rerun": learning_region("learning_rerun/learning.json"),
         "mechanism": mechanism_region("mechanism.json"),
         "mechanism_long": mechanism_region("mechanism_long/mechanism.json"),
         "mechanism_long_check": mechanism_region("mechanism_long_check/mechanism.json"),
