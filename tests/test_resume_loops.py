@@ -39,6 +39,7 @@ from vcppo_jax import stages
 from vcppo_jax.data.batching import batch_indices
 from vcppo_jax.metrics import METRICS_FILE
 from vcppo_jax.models import CausalLM
+from vcppo_jax.rewards import extract_synthetic_answer
 from vcppo_jax.rollout import prompt_batch
 from vcppo_jax.sampling import make_sampler
 
@@ -299,8 +300,9 @@ def test_logged_rollout_metrics_equal_recomputed_rollouts(uninterrupted, algorit
 
 
 def test_logged_greedy_eval_equals_greedy_decoding_here(uninterrupted):
-    """The eval records (steps 0 and N) are the greedy policy's: pass@1, mean length and direct-answer fraction
-    of argmax decoding of the first `eval_prompts` test records, decoded and scored here, equal the logged ones."""
+    """The eval records (steps 0 and N) are the greedy policy's: pass@1, mean length, direct-answer fraction, answer
+    (format) rate and clip ratio of argmax decoding of the first `eval_prompts` test records, decoded and scored
+    here, equal the logged ones."""
     config = uninterrupted("vcppo")
     assert config.sampling.temperature > 0  # a sampled eval would differ from greedy decoding
     logged = {r["step"]: r for r in records(config.workdir) if "eval/pass@1" in r}
@@ -316,7 +318,9 @@ def test_logged_greedy_eval_equals_greedy_decoding_here(uninterrupted):
         lens = np.concatenate([g["lengths"] for g in got])
         texts = [t for g in got for t in g["texts"]]
         want = {"eval/pass@1": np.mean(rewards >= config.reward_correct), "eval/response_length_mean": lens.mean(),
-                "eval/direct_fraction": np.mean(["\n" not in t.strip() for t in texts])}
+                "eval/direct_fraction": np.mean(["\n" not in t.strip() for t in texts]),
+                "eval/answer_rate": np.mean([extract_synthetic_answer(t) is not None for t in texts]),
+                "eval/clip_ratio": np.mean(lens >= config.task.max_response_len)}
         assert {k: logged[step][k] for k in want} == pytest.approx(want, rel=1e-6), step
         lengths.append(lens)
     assert len(set(np.concatenate(lengths))) > 1  # not vacuous: lengths vary, so a sampled eval would show

@@ -8,7 +8,7 @@ import pytest
 
 from vcppo_jax import rewards
 from vcppo_jax.data import synthetic
-from vcppo_jax.rewards import extract_math_answer, last_boxed, make_verifier, score_batch
+from vcppo_jax.rewards import answer_extractor, extract_math_answer, last_boxed, make_verifier, score_batch
 
 
 @pytest.fixture(scope='module')
@@ -184,3 +184,14 @@ def test_math_verifier_scores_through_the_bounded_worker(monkeypatch):
     assert verifier(r"\boxed{5}", "5") == 1.0 and verifier(r"\boxed{0.5}", "1/2") == 1.0 and calls == []
     assert verifier(r"\boxed{\sqrt{4}}", "2") == 1.0
     assert calls == [(r"\sqrt{4}", "2")]
+
+
+def test_answer_extractor_reads_what_the_verifier_reads():
+    phrase = "First 3 + 4 = 7 apples. The answer is 7."
+    assert answer_extractor("word_problems")(phrase) == "7"
+    assert answer_extractor("math")(phrase) is None  # the answer phrase counts for word problems only
+    assert answer_extractor("math")(r"so \boxed{12}") == "12"
+    assert answer_extractor("synthetic")("3+4\nAnswer: 7") == "7"
+    assert answer_extractor("synthetic")(r"\boxed{7}") is None
+    with pytest.raises(ValueError, match="task_name"):
+        answer_extractor("aime")

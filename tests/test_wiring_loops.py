@@ -14,6 +14,7 @@ from vcppo_jax import config as config_lib
 from vcppo_jax import optim
 from vcppo_jax import rollout as rollout_lib
 from vcppo_jax.data import RecordSource
+from vcppo_jax.rewards import answer_extractor
 from vcppo_jax.sampling import SampleOutput
 from vcppo_jax.tokenizer import synthetic_tokenizer
 
@@ -194,12 +195,17 @@ def test_evaluate_against_known_answers():
     assert rewards == [1.0, 1.0, -1.0, 1.0, -1.0, -1.0]
     kl = sum((sample_logp_of(n) + 0.3).sum() for n in lengths) / lengths.sum()
     assert out == pytest.approx({"eval/pass@1": 0.5, "eval/response_length_mean": lengths.mean(),
-                                 "eval/direct_fraction": 4 / 6, "eval/kl_to_ref": kl}, rel=1e-6)
+                                 "eval/direct_fraction": 4 / 6, "eval/kl_to_ref": kl,
+                                 "eval/clip_ratio": 1 / 6}, rel=1e-6)  # the "a" * 20 row
     assert len(sampler.calls) == 2 and all(p is params for p, _ in sampler.calls)
 
     without = rollout_lib.evaluate(sampler, params, source, TOK, fake_verifier, prefix="probe", **kw)
-    assert set(without) == {"probe/pass@1", "probe/response_length_mean", "probe/direct_fraction"}
+    assert set(without) == {"probe/pass@1", "probe/response_length_mean", "probe/direct_fraction", "probe/clip_ratio"}
     assert without["probe/pass@1"] == pytest.approx(0.5)
+
+    found = rollout_lib.evaluate(sampler, params, source, TOK, fake_verifier,
+                                 extract_answer=answer_extractor("synthetic"), **kw)
+    assert found["eval/answer_rate"] == pytest.approx(4 / 6)  # an "Answer: <int>" line, right or wrong
 
 
 def test_rollout_stats_known_values():

@@ -28,6 +28,7 @@ Final-answer formats:
 
 from __future__ import annotations
 
+import functools
 import math
 import multiprocessing
 import re
@@ -314,6 +315,16 @@ def _check_reward_values(correct: float, wrong: float) -> None:
         raise ValueError(f'correct ({correct}) must be greater than wrong ({wrong})')
 
 
+def answer_extractor(task_name: str) -> Callable[[str], str | None]:
+    """`extract(response_text) -> final answer or None`, as the task's verifier reads it (module docstring). A
+    response it finds an answer in is well formatted, right or wrong: the format rate counts these."""
+    if task_name not in TASKS:
+        raise ValueError(f'task_name must be one of {TASKS}, got {task_name!r}')
+    if task_name == 'synthetic':
+        return extract_synthetic_answer
+    return functools.partial(extract_math_answer, answer_phrase=task_name in ANSWER_PHRASE_TASKS)
+
+
 def make_verifier(task_name: str, *, correct: float = 1.0, wrong: float = -1.0) -> Verifier:
     """Returns `verify(response_text, answer) -> float` for a task in `TASKS`; never raises."""
     if task_name not in TASKS:
@@ -321,16 +332,16 @@ def make_verifier(task_name: str, *, correct: float = 1.0, wrong: float = -1.0) 
     _check_reward_values(correct, wrong)
     correct, wrong = float(correct), float(wrong)
 
+    extract = answer_extractor(task_name)
     if task_name == 'synthetic':
         def is_correct(response: str, answer: str) -> bool:
-            pred = extract_synthetic_answer(response)
+            pred = extract(response)
             return pred is not None and pred == str(answer).strip()
     else:
         bounded = BoundedCall(sympy_equal, SYMPY_TIMEOUT_S)
-        answer_phrase = task_name in ANSWER_PHRASE_TASKS
 
         def is_correct(response: str, answer: str) -> bool:
-            pred = extract_math_answer(response, answer_phrase=answer_phrase)
+            pred = extract(response)
             return pred is not None and math_equal(pred, str(answer), bounded)
 
     def verifier(response_text: str, answer: str) -> float:

@@ -24,6 +24,7 @@ from vcppo_jax import builders
 from vcppo_jax import config as config_lib
 from vcppo_jax import hooks
 from vcppo_jax import metrics as metrics_lib
+from vcppo_jax import rewards
 from vcppo_jax import rl
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax import stage_meta
@@ -135,7 +136,8 @@ class Evaluator:
         kw = dict(num_prompts=c.eval_prompts, batch_size=min(c.eval_prompts, c.prompts_per_step * c.group_size),
                   max_prompt_len=c.task.max_prompt_len, correct=c.reward_correct,
                   rng=jax.random.PRNGKey(c.seed), io=self.rt)
-        out = evaluate(self.progs.greedy, state.actor.params, self.test, self.tok, self.verifier, **kw)
+        out = evaluate(self.progs.greedy, state.actor.params, self.test, self.tok, self.verifier,
+                       extract_answer=rewards.answer_extractor(c.task.name), **kw)
         if c.eval_kl_to_sft:
             ref = state.ref_params if state.ref_params is not None else self.sft_params
             probe = evaluate(self.progs.sampler, state.actor.params, self.test, self.tok, self.verifier,

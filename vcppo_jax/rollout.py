@@ -180,11 +180,15 @@ def whole_batch_stats(rollout: Rollout, correct: float, max_len: int, rows: slic
 
 def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifier: Callable, *, num_prompts: int,
              batch_size: int, max_prompt_len: int, correct: float, rng: jax.Array, prefix: str = "eval",
-             io: HostIO = SINGLE_HOST, ref_logprobs: Callable | None = None) -> dict[str, float]:
+             io: HostIO = SINGLE_HOST, ref_logprobs: Callable | None = None,
+             extract_answer: Callable[[str], str | None] | None = None) -> dict[str, float]:
     """pass@1 (one sample per prompt from `sampler`) and response length on the first `num_prompts` records
     (each process scores its rows of each batch; the numbers are over all of them).
 
-    `direct_fraction` counts single-line answers (no scratchpad): the short style a collapsing policy falls into.
+    `direct_fraction` counts single-line answers (no scratchpad): the short style a collapsing policy falls into;
+    `clip_ratio` the responses that reached the sampler's length cap (as `rollout/clip_ratio`).
+    extract_answer: `rewards.answer_extractor(task)`; adds `answer_rate`, the responses it finds a final answer in
+    (the format rate: a policy can learn the format before the arithmetic).
     ref_logprobs: `fn(tokens [B, P+R], attn_mask [B, P+R]) -> [B, R]` log-probs of the response tokens under a
     reference policy (at the sampler's temperature); adds `kl_to_ref`, the per-token Monte-Carlo estimate of
     KL(sampler || reference) = E[log q(y) - log p_ref(y)] over the sampled tokens.
@@ -199,8 +203,12 @@ def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifie
         batch = prompt_batch(source, range(start, start + batch_size), tokenizer, max_prompt_len=max_prompt_len)
         rollout, texts = generate_and_score(sampler, params, batch, jax.random.fold_in(rng, start), tokenizer,
                                             verifier, io)
-        row = {"reward": rollout.seq_rewards, "length": rollout.response_mask.sum(axis=1),
-               "single_line": np.array(["\n" not in t.strip() for t in texts])}
+        length = rollout.response_mask.sum(axis=1)
+        row = {"reward": rollout.seq_rewards, "length": length,
+               "single_line": np.array(["\n" not in t.strip() for t in texts]),
+               "clipped": length >= rollout.response_mask.shape[1]}
+        if extract_answer is not None:
+            row["answered"] = np.array([extract_answer(t) is not None for t in texts])
         if ref_logprobs is not None:
             ref = io.fetch(ref_logprobs(io.place_batch(rollout.tokens), io.place_batch(rollout.attn_mask)))
             row["log_ratio"] = ((rollout.sample_logp - ref) * rollout.response_mask).sum(axis=1)
@@ -208,7 +216,10 @@ def evaluate(sampler: Callable, params, source: RecordSource, tokenizer, verifie
     r = {k: np.concatenate([b[k] for b in per_row]) for k in per_row[0]}
     out = {f"{prefix}/pass@1": float((r["reward"] >= correct).mean()),
            f"{prefix}/response_length_mean": float(r["length"].mean()),
-           f"{prefix}/direct_fraction": float(np.mean(r["single_line"]))}
+           f"{prefix}/direct_fraction": float(np.mean(r["single_line"])),
+           f"{prefix}/clip_ratio": float(np.mean(r["clipped"]))}
+    if extract_answer is not None:
+        out[f"{prefix}/answer_rate"] = float(np.mean(r["answered"]))
     if ref_logprobs is not None:
         out[f"{prefix}/kl_to_ref"] = float(r["log_ratio"].sum()) / max(float(r["length"].sum()), 1.0)
     return out

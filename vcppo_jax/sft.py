@@ -119,7 +119,8 @@ def run_sft(config: ml_collections.ConfigDict) -> dict:
         return evaluate(progs.greedy, state.params, test, tok, verifier, num_prompts=config.eval_prompts,
                         batch_size=min(config.eval_prompts, config.batch_size),
                         max_prompt_len=config.task.max_prompt_len, correct=1.0,
-                        rng=jax.random.PRNGKey(config.seed), io=rt)
+                        rng=jax.random.PRNGKey(config.seed), io=rt,
+                        extract_answer=rewards.answer_extractor(config.task.name))
 
     timer, rows = Timer(), rt.local_rows(config.batch_size)
     with stage_run(config, rt, layout, init, total=config.num_steps, desc="sft", show=("sft/loss",)) as (run, state):
