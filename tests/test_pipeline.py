@@ -414,6 +414,26 @@ def test_changed_task_settings_make_finished_stages_stale(root, runs):
         stages.run_stage(changed)
 
 
+def test_other_length_caps_make_the_critic_stale_not_the_sft_policy(root, runs):
+    """A critic fit to responses cut at another cap (a shrunken smoke run's) is not this run's critic; the SFT
+    policy, trained on whole records, still is."""
+    config, _ = runs["vcppo"]
+    shorter = with_fields(config, workdir=root / "vcppo_shorter", run_missing_stages=False)
+    shorter.task.max_response_len = config.task.max_response_len - 4
+    with pytest.raises(ValueError, match=r"^value_pretrain in .* was not built for this run: its task settings "
+                                         r".*'max_response_len': 16"):
+        stages.run_stage(shorter)
+    assert [s for s, _, _ in stages.stale_stages(shorter)] == ["value_pretrain"]
+
+
+def test_a_critic_recorded_without_length_caps_is_not_held_to_them():
+    want = {"task": {"name": "synthetic", "max_prompt_len": 12, "max_response_len": 16}, "model": {"layers": 1}}
+    old = {"task": {"name": "synthetic"}, "model": {"layers": 1}}  # written before the caps were recorded
+    assert stage_meta.settings_differ(old, want) == []
+    assert stage_meta.settings_differ({**old, "task": {"name": "synthetic", "max_response_len": 8}}, want) == ["task"]
+    assert stage_meta.settings_differ({**old, "model": {"layers": 2}}, want) == ["model"]
+
+
 def test_resuming_on_another_upstream_run_is_refused(root, runs, other_sft):
     config, _ = runs["grpo"]
     workdir = root / "grpo_moved_sft"

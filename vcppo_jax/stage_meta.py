@@ -84,13 +84,31 @@ def prerequisites(config: ml_collections.ConfigDict) -> list[tuple[str, str]]:
     return needs
 
 
-def settings(config: ml_collections.ConfigDict) -> dict[str, Any]:
-    """The settings a stage's checkpoint is only valid for: the task's data (not where it is stored) and the
-    model's architecture fields (not its compute options), as JSON would store them."""
-    task = {k: v for k, v in config.task.to_dict().items() if k not in ("data_dir", "max_prompt_len",
-                                                                        "max_response_len")}
+# The prompt and response caps shape what a critic stage was fit to (the returns of responses cut at the cap), not
+# what an SFT policy learned from whole records: part of the critic stages' settings only.
+CRITIC_STAGES = ("value_pretrain", "reward_model")
+LENGTH_SETTINGS = ("max_prompt_len", "max_response_len")
+
+
+def settings(config: ml_collections.ConfigDict, stage: str | None = None) -> dict[str, Any]:
+    """The settings a checkpoint of `stage` (default: the config's own) is only valid for: the task's data (not where
+    it is stored; for `CRITIC_STAGES` also its length caps) and the model's architecture fields (not its compute
+    options), as JSON would store them."""
+    drop = ("data_dir",) + (() if (stage or config.stage) in CRITIC_STAGES else LENGTH_SETTINGS)
+    task = {k: v for k, v in config.task.to_dict().items() if k not in drop}
     model = {k: v for k, v in config.model.to_dict().items() if k not in builders.COMPUTE_OPTIONS}
     return json.loads(json.dumps({"task": task, "model": model}))
+
+
+def settings_differ(recorded: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The groups ('task', 'model') of `want` that `recorded` differs in. A length cap a checkpoint did not record
+    (written before they were part of a critic's settings) is not held against it."""
+    def known(group: str) -> dict[str, Any]:
+        mine = recorded.get(group)
+        if group != "task" or mine is None:
+            return mine
+        return {**{k: want[group][k] for k in LENGTH_SETTINGS if k in want[group]}, **mine}
+    return [k for k in want if known(k) != want[k]]
 
 
 def provenance_of(workdir: str) -> dict | None:

@@ -28,7 +28,7 @@ from vcppo_jax.dry_run import plan as dry_run_plan
 from vcppo_jax.rl_loop import run_rl
 from vcppo_jax.sft import run_sft
 from vcppo_jax.stage_meta import (finished_meta, prerequisites, provenance_of, read_stage_meta, run_id, settings,
-                                  stage_done)
+                                  settings_differ, stage_done)
 from vcppo_jax.value_train import run_value_training
 
 # The critic stages must see the responses RL will see: same sampling distribution.
@@ -65,7 +65,6 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
     current: dict[str, str | None] = {}  # stage -> run id; None: being (re)built or not recorded
     rebuilt: set[str] = set()
     dirs = dict(prerequisites(config))
-    want = settings(config)
     for stage, workdir in dirs.items():
         meta = read_stage_meta(workdir) or {}  # one read per stage: a checkpoint manager each time
         prov = meta.get("provenance") if meta.get("done") else None
@@ -76,9 +75,10 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
         if prov is None:
             logging.warning("%s in %s records no provenance (built by an older version); not checked", stage, workdir)
             continue
-        recorded = prov["settings"] or {}  # None: an HF model folder, valid for any task
-        why = [f"its {k} settings {recorded.get(k)} differ from this run's {want[k]}" for k in want
-               if prov["settings"] is not None and recorded.get(k) != want[k]]
+        want = settings(config, stage)
+        recorded = prov["settings"]  # None: an HF model folder, valid for any task
+        why = [f"its {k} settings {recorded.get(k)} differ from this run's {want[k]}"
+               for k in (settings_differ(recorded, want) if recorded is not None else [])]
         for up, up_id in prov["upstream"].items():
             if up in rebuilt:
                 why.append(f"it was built from {up} run {up_id}, which is being rebuilt")
