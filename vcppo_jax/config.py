@@ -150,7 +150,7 @@ def sampling_config() -> ml_collections.ConfigDict:
     # leaves RL too few correct samples per step. The PPO ratio uses the same tempered distribution.
     # kv_cache_dtype: 'compute' (the model's dtype) or 'bfloat16' (half an fp32 model's cache; sampling.py).
     # engine: 'dense' (every row decodes until the longest ends) or 'slots' (decode_slots slots refilled with the next
-    # prompt as rows end, then halved as the last rows end: on CPU, mixed response lengths then cost closer to what
+    # prompt as rows end, then narrowed as the last rows end: on CPU, mixed response lengths then cost closer to what
     # is generated; sampling.py, experiments/bench_rollout.py). Both sample the same tokens for a row, up to float
     # rounding.
     return ml_collections.ConfigDict(dict(temperature=0.7, top_k=0, top_p=1.0, kv_cache_dtype="compute",

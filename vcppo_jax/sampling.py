@@ -12,8 +12,8 @@ Two engines (ENGINES), the same output:
 - 'dense': every row decodes until the longest row ends; a step computes all B rows, ended ones included.
 - 'slots': `num_slots` S < B decode slots, each holding one row's KV cache [P + R]; a slot whose row ends (stop
   token or R tokens) is refilled with the next waiting prompt (a one-row prefill into that slot), so a step
-  computes S rows that are nearly all live. Once no prompt waits, the live rows move into S // 2, S // 4, ..., 1
-  slots as soon as they fit (tail narrowing: static widths, one loop each), so the batch's last rows stop computing
+  computes S rows that are nearly all live. Once no prompt waits, the live rows move into fewer slots as soon as
+  they fit (tail narrowing: static widths, `slot_widths`, one loop each), so the batch's last rows stop computing
   dead slots. Same per-row keys and positions, so each row samples the tokens the dense engine samples (up to float
   rounding). Where a step's cost grows with its rows (CPU), mixed response lengths then cost what is generated,
   not B x the longest; on an accelerator a wide batch costs about what a narrow one does, and 'dense' is the
@@ -194,19 +194,22 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
 
 
 def slot_count(num_slots: int, batch: int) -> int:
-    """Decode slots the 'slots' engine starts with for `batch` rows: `num_slots` (0 = auto: `batch`, i.e. no refills,
-    only tail narrowing), at most `batch`. Auto: once the dense decode step reads the cache in short blocks on CPU
-    (DECODE_BLOCK_CPU), a narrow step costs more per row than a wide one, and refilling few slots loses more than it
-    saves. Quiet 2-core host, experiments/bench_rollout.py's long-response workload (64 rows): 8 slots 1.04x the
-    dense engine's tokens/s, 32 slots 1.10-1.18x, 64 slots 1.13-1.19x; uniform lengths: 8 slots 0.63x, 32 0.85x,
-    64 0.93x."""
+    """Decode slots the 'slots' engine starts with for `batch` rows: `num_slots` (0 = auto: `batch`, i.e. one batched
+    prefill, no refills, only tail narrowing), at most `batch`. Auto because on CPU a narrow decode step costs more
+    per row than a wide one, so refilling few slots loses more than it saves (experiments/BENCHMARKS.md, "Rollout
+    engines": 8 and 32 refilled slots against 64)."""
     return max(1, min(num_slots or batch, batch))
 
 
 def slot_widths(num_slots: int) -> tuple[int, ...]:
-    """The static widths the 'slots' engine decodes at: S, S // 2, ..., 1. Once no row waits, the live rows move
-    into the next width as soon as they fit (tail narrowing), so the batch's last rows stop computing dead slots."""
-    widths = [num_slots]
+    """The static widths the 'slots' engine decodes at: S, then the multiples of g = max(8, S // 8) below S, then
+    halving from the smallest of them to 1 (64 slots: 64, 56, ..., 8, 4, 2, 1). Once no row waits, the live rows move
+    into the narrowest width that holds them (tail narrowing), so the batch's last rows stop computing dead slots.
+    Steps of g rather than halving: with S // 2 the live rows fill 3/4 of a step on average, with g nearly all of it
+    (the long-response workload of experiments/bench_rollout.py); each width is one more compiled loop, so there are
+    at most about 8 + log2(g) of them."""
+    step = max(8, num_slots // 8)
+    widths = [num_slots, *range((num_slots - 1) // step * step, step - 1, -step)]
     while widths[-1] > 1:
         widths.append(widths[-1] // 2)
     return tuple(widths)
@@ -267,30 +270,45 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
         """Feeds each slot's token t - 1 and samples its token t, as the dense engine does, in one batched step.
         The model writes a step's keys/values at one cache column shared by the batch, while each slot's token
         t - 1 belongs in its own column P + t - 1: the step writes them all at the live slots' largest own column
-        m (the later columns are no slot's yet) and attends each slot's real columns plus m; then each slot's
-        entry moves from m to its own column. Attention is a sum over keys, so where a key sits does not matter
-        (positions are the rows' own). Free slots compute too (static shapes); what they write is never read:
-        their rows are dropped and a refill resets them."""
+        m (the later columns are no slot's yet) and attends each slot's real columns plus m; then, where slots are
+        refilled (S < B: rows at different steps), each slot's entry moves from m to its own column. Attention is a
+        sum over keys, so where a key sits does not matter (positions are the rows' own). Free slots compute too
+        (static shapes); what they write is never read: their rows are dropped and a refill resets them."""
         width = st.live.shape[0]
         index = p + st.t - 1  # [S] each slot's own column
         shared = jnp.max(jnp.where(st.live, index, p))
         hidden, cache = decoder.apply(variables, st.prev[:, None], (st.n_real + st.t - 1)[:, None],
                                       st.kv_mask.at[:, shared].set(True), st.cache, shared)
         slots = jnp.arange(width)
-        # [L, S, K, P + R, H] indexed at (slots, index) on axes 1 and 3 -> updates [S, L, K, H].
-        moved = (c.at[:, slots, :, index].set(jnp.moveaxis(jax.lax.dynamic_index_in_dim(c, shared, 3, False), 1, 0))
-                 for c in cache)
+        if s < b:
+            # [L, S, K, P + R, H] indexed at (slots, index) on axes 1 and 3 -> updates [S, L, K, H].
+            cache = KVCache(*(c.at[:, slots, :, index].set(
+                jnp.moveaxis(jax.lax.dynamic_index_in_dim(c, shared, 3, False), 1, 0)) for c in cache))
+        # else: no refill, so every row started at once and each slot's own column is the shared one.
         logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
         keys = jax.vmap(jax.random.fold_in)(row_keys[st.row], st.t)
         token, logp = _choose(logits, keys, opts)
         out_row = jnp.where(st.live, st.row, b)  # b: out of range, dropped
         return st._replace(
-            cache=_constrain(KVCache(*moved)), kv_mask=st.kv_mask.at[slots, index].set(True),
+            cache=_constrain(cache), kv_mask=st.kv_mask.at[slots, index].set(True),
             live=st.live & ~is_eos(token) & (st.t + 1 < r), t=jnp.minimum(st.t + 1, r), prev=token,
             response=st.response.at[out_row, st.t].set(token, mode="drop"),
             logprobs=st.logprobs.at[out_row, st.t].set(logp, mode="drop"),
             lengths=st.lengths.at[out_row].add(1, mode="drop"), num_steps=st.num_steps + 1,
             decode_rows=st.decode_rows + width)
+
+    def prefill_all(st: _SlotState) -> _SlotState:
+        """S = B (no refills): every row's prefill in one batched call, as `_generate`'s, instead of B one-row
+        refills; each slot holds its row, and its first column the batch's shared one."""
+        kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
+        hidden, cache = model.apply(variables, prompt_tokens, position_ids(prompt_mask), kv_mask, st.cache, 0)
+        logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
+        token, logp = _choose(logits, jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0), opts)
+        return st._replace(
+            cache=_constrain(cache), kv_mask=kv_mask, live=~is_eos(token) & (r > 1),
+            row=jnp.arange(b, dtype=jnp.int32), prev=token, n_real=jnp.sum(prompt_mask, axis=1, dtype=jnp.int32),
+            next_row=jnp.int32(b), response=st.response.at[:, 0].set(token),
+            logprobs=st.logprobs.at[:, 0].set(logp), lengths=jnp.ones((b,), jnp.int32))
 
     def fill(st: _SlotState) -> _SlotState:
         """Refills free slots while rows wait (a loop of its own: a `lax.cond` choosing refill or decode in one
@@ -319,7 +337,7 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
     # After `fill` either every slot is live or no row waits: no live slot means every row is done. Each width's
     # loop runs until the live rows fit the next width (a loop per width: static shapes); only the first refills.
     widths = slot_widths(s)
-    st = fill(init)
+    st = prefill_all(init) if s == b else fill(init)
     for width, narrower in zip(widths, widths[1:] + (0,)):
         if width < s:
             st = narrow(st, width)
