@@ -9,6 +9,7 @@ import config_files
 import numpy as np
 import plot_results
 import pytest
+import real_model_report
 import reproduce
 
 from vcppo_jax.metrics import MetricWriter
@@ -487,3 +488,43 @@ def test_trailing_mean_matches_a_loop():
     for window in (1, 3, 5, 30):
         want = [x[max(0, t - window + 1):t + 1].mean() for t in range(x.size)]
         np.testing.assert_allclose(plot_results.trailing_mean(x, window), want, rtol=1e-12)
+
+
+def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
+    rng = np.random.default_rng(3)
+    truth = {}
+    for arm, steps in (("vcppo", 4), ("grpo", 4), ("ppo_step1", 1)):
+        with MetricWriter(tmp_path / arm, tensorboard=False) as w:
+            evals = {s: {k: float(rng.uniform()) for k in real_model_report.EVAL_KEYS.values()} for s in (0, steps)}
+            step1 = {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0}
+            if arm != "grpo":
+                step1.update({f"diag/value_pos{i:02d}": float(rng.normal()) for i in range(4)})
+                step1.update({f"diag/value_err_pos{i:02d}": float(rng.normal()) for i in range(4)})
+                step1.update({f"diag/tokens_pos{i:02d}": float(i < 3) for i in range(4)})  # the last bucket empty
+            w.write(0, evals[0])
+            for s in range(1, steps + 1):
+                w.write(s, step1 if s == 1 else {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0})
+            w.write(steps, evals[steps])
+        truth[arm] = (evals, step1, steps)
+    paths = real_model_report.make_report(tmp_path, tmp_path / "results")
+    assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_learning.png",
+                                       "fig_real_model_value_by_position.png"}
+    table = json.loads((tmp_path / "results" / "real_model.json").read_text())
+    assert set(table["arms"]) == {"vcppo", "grpo", "ppo_step1"}  # arms without runs are left out
+    for arm, (evals, step1, steps) in truth.items():
+        row = table["arms"][arm]
+        assert row["rl_steps"] == steps
+        assert row["pass@1_step0"] == evals[0]["eval/pass@1"] and row["answer_rate_last"] == evals[steps][
+            "eval/answer_rate"]
+        assert row["pass@1_gain"] == pytest.approx(evals[steps]["eval/pass@1"] - evals[0]["eval/pass@1"])
+        critic = row.get("critic_step1")
+        if arm == "grpo":
+            assert critic is None
+            continue
+        assert critic["value"] == [step1[f"diag/value_pos{i:02d}"] for i in range(4)]
+        value_minus_err = [step1[f"diag/value_pos{i:02d}"] - step1[f"diag/value_err_pos{i:02d}"] for i in range(4)]
+        assert critic["mc_return"] == pytest.approx(value_minus_err)
+        assert critic["bucket_start"] == [0, 32, 64, 96]  # configs/smollm2.py: 128-token responses
+    md = (tmp_path / "results" / "real_model.md").read_text()
+    assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
+    assert (tmp_path / "results" / "fig_real_model_value_by_position.png").read_bytes()[:8] == PNG_MAGIC

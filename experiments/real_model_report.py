@@ -1,0 +1,175 @@
+"""The real-model study's report (SmolLM2-135M-Instruct on word problems, `configs/smollm2.py`), from its runs.
+
+Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes to `--results`:
+
+  real_model.json, real_model.md   per arm: greedy pass@1, answer (format) rate, clip ratio and response length at
+                                   step 0 (the instruct model) and at the last evaluation, the step reached of the
+                                   steps configured; per critic arm, the critic at RL step 1 by position bucket
+  fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step
+  fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
+                                   the instruct model, the same responses for every arm), the critic's value by
+                                   response position against the Monte-Carlo return, for the critic initialised
+                                   from a reward model (scored only at EOS) and for the value-pretrained critic
+
+  python experiments/real_model_report.py [--root runs/smollm2] [--results experiments/results/real_model]
+
+The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+import config_files  # noqa: E402
+import plot_results  # noqa: E402
+from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
+
+# Run directory under --root -> label. `ppo_step1`: the PPO preset stopped after one step (its critic at step 1).
+ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GRPO",
+        "ppo": "PPO (reward-model critic, GAE 0.95)", "ppo_step1": "PPO, first step only (reward-model critic)",
+        "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)"}
+CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
+               "vcppo": ("value-pretrained critic", "C0")}
+EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
+             "response_length": "eval/response_length_mean"}
+
+
+def load_runs(root: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
+    """{arm: metrics records} for the arms with a metrics file."""
+    return {arm: read_metrics(root / arm) for arm in ARMS if (root / arm / METRICS_FILE).is_file()}
+
+
+def critic_at_step1(records: list[dict[str, Any]], response_len: int) -> dict[str, Any] | None:
+    """The initial critic on the first rollout, per position bucket: mean value, mean Monte-Carlo return (value
+    minus the logged error: both are means over the same tokens) and token count; buckets in tokens."""
+    first = plot_results._first_rl_record(records, "diag/value_pos00")
+    if first is None:
+        return None
+    n = sum(1 for k in first if k.startswith("diag/value_pos"))
+    counts = [first.get(f"diag/tokens_pos{i:02d}") for i in range(n)]
+    value = [first[f"diag/value_pos{i:02d}"] for i in range(n)]
+    mc = [v - first[f"diag/value_err_pos{i:02d}"] for i, v in enumerate(value)]
+    return {"bucket_start": [i * response_len // n for i in range(n)], "tokens": counts, "value": value,
+            "mc_return": mc, "value_err_first": first.get("diag/value_err_first"),
+            "explained_var": first.get("value/explained_var_old")}
+
+
+def report_table(runs: dict, recipe) -> dict[str, Any]:
+    """Per arm: `EVAL_KEYS` at step 0 and at the last evaluation, the RL steps run, the critic at step 1."""
+    response_len = recipe.task.max_response_len
+    arms = {}
+    for arm, records in runs.items():
+        row = plot_results.step0_and_last(records, EVAL_KEYS)
+        row.update(label=ARMS[arm], rl_steps=max((r["step"] for r in records), default=0))
+        if "pass@1_step0" in row and "pass@1_last" in row:
+            row["pass@1_gain"] = row["pass@1_last"] - row["pass@1_step0"]
+        if arm in CRITIC_ARMS:
+            row["critic_step1"] = critic_at_step1(records, response_len)
+        arms[arm] = row
+    return {"arms": arms, "recipe": {"num_steps": recipe.num_steps, "max_response_len": response_len,
+                                     "eval_prompts": recipe.eval_prompts},
+            "columns": "greedy pass@1, answer rate (a final answer the verifier reads: \\boxed{} or 'The answer is "
+                       "N'), clip ratio (responses that reached the length cap) and mean length on the first "
+                       "eval_prompts test problems, at step 0 (the instruct model) and at the last evaluation"}
+
+
+def report_markdown(table: dict[str, Any]) -> str:
+    pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+    lines = ["# SmolLM2-135M-Instruct, RL from the instruct model", "", table["columns"] + ".", "",
+             f"The recipe: {table['recipe']['num_steps']} RL steps, responses up to "
+             f"{table['recipe']['max_response_len']} tokens, {table['recipe']['eval_prompts']} test problems.", "",
+             "| arm | RL steps run | pass@1 step 0 -> last (%) | gain (points) | answer rate (%) | clip ratio (%) "
+             "| length |", "|---|---|---|---|---|---|---|"]
+    for r in table["arms"].values():
+        arrow = lambda k: f"{pct(r.get(k + '_step0'))} -> {pct(r.get(k + '_last'))}"  # noqa: E731
+        nan = float("nan")
+        length = f"{r.get('response_length_step0', nan):.1f} -> {r.get('response_length_last', nan):.1f}"
+        lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
+                     f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
+    critics = {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
+    if critics:
+        lines += ["", "## The critic at RL step 1, by response position (tokens)", "",
+                  "Mean value V(s_t) and mean Monte-Carlo return over the first rollout's tokens in each bucket.", "",
+                  "| critic | " + " | ".join(str(s) for s in next(iter(critics.values()))["bucket_start"]) + " |",
+                  "|---|" + "---|" * len(next(iter(critics.values()))["bucket_start"])]
+        for arm, c in critics.items():
+            label = CRITIC_ARMS[arm][0]
+            lines.append(f"| {label}: value | " + " | ".join(_num(v, n) for v, n in zip(c["value"], c["tokens"]))
+                         + " |")
+            lines.append(f"| {label}: return | " + " | ".join(_num(v, n) for v, n in zip(c["mc_return"],
+                                                                                         c["tokens"])) + " |")
+    return "\n".join(lines + [""])
+
+
+def _num(v: float, tokens: float | None) -> str:
+    return "-" if tokens == 0 else f"{v:+.2f}"
+
+
+def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
+    rl = {a: r for a, r in runs.items() if a != "ppo_step1"}
+    if not rl:
+        return None
+    tree = {a: {0: r} for a, r in rl.items()}
+    panels = [("eval/pass@1", 1, "greedy pass@1 (test problems)", "(a) test accuracy, greedy"),
+              ("rollout/accuracy", 3, "accuracy of the training rollouts", "(b) sampled accuracy (3-step mean)"),
+              ("eval/answer_rate", 1, "responses with a final answer", "(c) answer (format) rate, greedy"),
+              ("rollout/response_length_mean", 3, "mean length (tokens)", "(d) training response length")]
+    arms = {a: (ARMS[a], f"C{i}") for i, a in enumerate(rl)}
+    fig, axes = plot_results.band_panels(tree, arms, panels, (12, 8))
+    return plot_results._save(fig, list(axes.flat), path, "SmolLM2-135M-Instruct, word problems: RL from the "
+                              "instruct model (seed 0)")
+
+
+def plot_value_by_position(table: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
+    critics = {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
+    if not critics:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for arm, c in critics.items():
+        label, color = CRITIC_ARMS[arm]
+        seen = np.array([n != 0 for n in c["tokens"]])
+        x = np.array(c["bucket_start"])[seen]
+        value, mc = np.array(c["value"])[seen], np.array(c["mc_return"])[seen]
+        axes[0].plot(x, value, color=color, marker="o", ms=3, label=f"{label}: V(s_t)")
+        axes[0].plot(x, mc, color="k", ls=":", lw=1, label="Monte-Carlo return" if arm == next(iter(critics)) else None)
+        axes[1].plot(x, value - mc, color=color, marker="o", ms=3, label=label)
+    axes[0].set(xlabel="response token position (bucket start)", ylabel="mean over the bucket's tokens",
+                title="(a) value and return by position")
+    axes[1].set(xlabel="response token position (bucket start)", ylabel="V(s_t) - Monte-Carlo return",
+                title="(b) critic error by position (< 0: pessimistic)")
+    axes[0].legend(fontsize=7)
+    return plot_results._save(fig, list(axes), path, "The critic at RL step 1 on SmolLM2-135M-Instruct (paper Fig. 2)",
+                              zero_line=True)
+
+
+def make_report(root: pathlib.Path, results: pathlib.Path) -> list[pathlib.Path]:
+    runs = load_runs(root)
+    if not runs:
+        raise SystemExit(f"error: no run of {tuple(ARMS)} under {root}")
+    results.mkdir(parents=True, exist_ok=True)
+    table = report_table(runs, config_files.load("smollm2"))
+    js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
+    figs = (plot_learning(runs, results / "fig_real_model_learning.png"),
+            plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))
+    return [p for p in (*figs, js, md) if p is not None]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", default="runs/smollm2", help="the runs' parent directory (configs/smollm2.py ROOT)")
+    parser.add_argument("--results", default=str(pathlib.Path(__file__).resolve().parent / "results" / "real_model"))
+    args = parser.parse_args()
+    for path in make_report(pathlib.Path(args.root), pathlib.Path(args.results)):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
