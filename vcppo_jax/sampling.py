@@ -144,6 +144,19 @@ def _decode_model(model: CausalLM) -> CausalLM:
     return CausalLM(model.cfg.replace(attention_block_size=block))
 
 
+def _prefill(model: CausalLM, opts: _Options, variables: Any, prompt_tokens: Array, prompt_mask: Array,
+             row_keys: Array, cache: KVCache) -> tuple[KVCache, Array, Array, Array]:
+    """All B rows' prompts into an empty [P + R]-column cache at once; the prompt's last column (always real under
+    left padding) predicts response token 0 with each row's key for step 0. Returns (cache, kv_mask [B, P + R],
+    token [B], its log-prob [B])."""
+    b, r = prompt_tokens.shape[0], opts.max_new_tokens
+    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
+    hidden, cache = model.apply(variables, prompt_tokens, position_ids(prompt_mask), kv_mask, cache, 0)
+    logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
+    token, logp = _choose(logits, jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0), opts)
+    return _constrain(cache), kv_mask, token, logp
+
+
 def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array, prompt_mask: Array,
               rng: Array) -> SampleOutput:
     b, p = prompt_tokens.shape
@@ -158,12 +171,9 @@ def _generate(model: CausalLM, opts: _Options, params: Any, prompt_tokens: Array
     is_eos = lambda tok: jnp.isin(tok, jnp.asarray(opts.stop_ids, jnp.int32))  # noqa: E731 (no stop ids: never)
     decoder = _decode_model(model)
 
-    # Prefill: the prompt's last slot (always real under left padding) predicts response token 0.
-    kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
     cache_dtype = None if opts.kv_cache_dtype == "compute" else jnp.dtype(opts.kv_cache_dtype)
-    cache = _constrain(init_cache(model.cfg, b, p + r, cache_dtype))
-    hidden, cache = model.apply(variables, prompt_tokens, position_ids(prompt_mask), kv_mask, cache, 0)
-    token, logp = _choose(last_logits(hidden), step_keys(0), opts)
+    cache, kv_mask, token, logp = _prefill(model, opts, variables, prompt_tokens, prompt_mask, row_keys,
+                                           _constrain(init_cache(model.cfg, b, p + r, cache_dtype)))
     response = jnp.full((b, r), opts.pad_id, jnp.int32).at[:, 0].set(token)
     logprobs = jnp.zeros((b, r), jnp.float32).at[:, 0].set(logp)
     state = (jnp.int32(1), cache, kv_mask, response, logprobs, is_eos(token), jnp.ones((b,), jnp.int32))
@@ -300,12 +310,9 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
     def prefill_all(st: _SlotState) -> _SlotState:
         """S = B (no refills): every row's prefill in one batched call, as `_generate`'s, instead of B one-row
         refills; each slot holds its row, and its first column the batch's shared one."""
-        kv_mask = jnp.concatenate([prompt_mask, jnp.zeros((b, r), bool)], axis=1)
-        hidden, cache = model.apply(variables, prompt_tokens, position_ids(prompt_mask), kv_mask, st.cache, 0)
-        logits = model.apply(variables, hidden[:, -1], method=CausalLM.logits)
-        token, logp = _choose(logits, jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, 0), opts)
+        cache, kv_mask, token, logp = _prefill(model, opts, variables, prompt_tokens, prompt_mask, row_keys, st.cache)
         return st._replace(
-            cache=_constrain(cache), kv_mask=kv_mask, live=~is_eos(token) & (r > 1),
+            cache=cache, kv_mask=kv_mask, live=~is_eos(token) & (r > 1),
             row=jnp.arange(b, dtype=jnp.int32), prev=token, n_real=jnp.sum(prompt_mask, axis=1, dtype=jnp.int32),
             next_row=jnp.int32(b), response=st.response.at[:, 0].set(token),
             logprobs=st.logprobs.at[:, 0].set(logp), lengths=jnp.ones((b,), jnp.int32))
