@@ -100,9 +100,13 @@ def settings(config: ml_collections.ConfigDict, stage: str | None = None) -> dic
     return json.loads(json.dumps({"task": task, "model": model}))
 
 
-def settings_differ(recorded: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """The groups ('task', 'model') of `want` that `recorded` differs in. A length cap a checkpoint did not record
-    (written before they were part of a critic's settings) is not held against it."""
+def settings_differ(recorded: dict[str, Any] | None, want: dict[str, Any]) -> list[str]:
+    """The groups ('task', 'model') of `want` that `recorded` differs in; none for None (an HF model folder, valid
+    for any task). A length cap a checkpoint did not record (written before they were part of a critic's settings)
+    is not held against it."""
+    if recorded is None:
+        return []
+
     def known(group: str) -> dict[str, Any]:
         mine = recorded.get(group)
         if group != "task" or mine is None:

@@ -75,10 +75,9 @@ def stale_stages(config: ml_collections.ConfigDict) -> list[tuple[str, str, str]
         if prov is None:
             logging.warning("%s in %s records no provenance (built by an older version); not checked", stage, workdir)
             continue
-        want = settings(config, stage)
-        recorded = prov["settings"]  # None: an HF model folder, valid for any task
+        want, recorded = settings(config, stage), prov["settings"]
         why = [f"its {k} settings {recorded.get(k)} differ from this run's {want[k]}"
-               for k in (settings_differ(recorded, want) if recorded is not None else [])]
+               for k in settings_differ(recorded, want)]
         for up, up_id in prov["upstream"].items():
             if up in rebuilt:
                 why.append(f"it was built from {up} run {up_id}, which is being rebuilt")
