@@ -81,6 +81,11 @@ def report_table(runs: dict, recipe) -> dict[str, Any]:
                        "eval_prompts test problems, at step 0 (the instruct model) and at the last evaluation"}
 
 
+def _critics(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """{arm: its critic at step 1} for the arms that logged one."""
+    return {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
+
+
 def report_markdown(table: dict[str, Any]) -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
     lines = ["# SmolLM2-135M-Instruct, RL from the instruct model", "", table["columns"] + ".", "",
@@ -94,12 +99,12 @@ def report_markdown(table: dict[str, Any]) -> str:
         length = f"{r.get('response_length_step0', nan):.1f} -> {r.get('response_length_last', nan):.1f}"
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
-    critics = {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
+    critics = _critics(table)
     if critics:
+        starts = next(iter(critics.values()))["bucket_start"]
         lines += ["", "## The critic at RL step 1, by response position (tokens)", "",
                   "Mean value V(s_t) and mean Monte-Carlo return over the first rollout's tokens in each bucket.", "",
-                  "| critic | " + " | ".join(str(s) for s in next(iter(critics.values()))["bucket_start"]) + " |",
-                  "|---|" + "---|" * len(next(iter(critics.values()))["bucket_start"])]
+                  "| critic | " + " | ".join(str(s) for s in starts) + " |", "|---|" + "---|" * len(starts)]
         for arm, c in critics.items():
             label = CRITIC_ARMS[arm][0]
             lines.append(f"| {label}: value | " + " | ".join(_num(v, n) for v, n in zip(c["value"], c["tokens"]))
@@ -129,7 +134,7 @@ def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
 
 
 def plot_value_by_position(table: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
-    critics = {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
+    critics = _critics(table)
     if not critics:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
