@@ -24,7 +24,7 @@ Tokens/s = generated tokens (each row's length, EOS included) / median seconds; 
 row-steps that computed a live row, as the engine counted them (sum(lengths - 1) / SampleOutput.decode_rows);
 speedup_vs_dense = tokens/s over the dense engine's in the same run.
 
-Run (from the repo root; ~8 minutes on 2 idle cores):
+Run (from the repo root; 5-10 minutes on 2 idle cores, much of it transformers' generate_batch):
   .venv/bin/python experiments/bench_rollout.py --out experiments/results/rollout/bench.json
   .venv/bin/python experiments/bench_rollout.py --quick      # 16 rows, d=64, max 96 tokens: a smoke run
 """
