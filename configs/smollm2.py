@@ -22,10 +22,14 @@ from vcppo_jax.config import base_rl_config
 MODEL_DIR = "checkpoints/smollm2-135m-instruct"
 ROOT = "runs/smollm2"
 PRESETS = ("vcppo", "grpo", "ppo")
-# The easiest problems (one '+' or '-' step over numbers up to 10, vcppo_jax/data/word_problems.py): the instruct
-# model's sampled pass@1 on 64 of them is 4.7% at temperature 0.7 (experiments/calibrate_task.py ->
-# experiments/results/real_model/calibration.json) and was 0/64 at 1.0: below the 10-40% a recipe should start from.
-KNOBS = dict(min_ops=1, max_ops=1, max_value=10, ops="+-", num_train=10000, num_test=500, seed=0)
+# The easiest problems (one '+' or '-' step over numbers up to 10, vcppo_jax/data/word_problems.py), asked for a boxed
+# answer after a one-shot system turn. The instruct model's pass@1 on 128 test problems (experiments/calibrate_task.py
+# -> experiments/results/real_model/calibration.json): 11% sampled at temperature 0.7, 28% greedy; with the task's
+# default "reason step by step" prompt and no system turn it was 5% sampled, and most responses ran past 128 tokens.
+KNOBS = dict(min_ops=1, max_ops=1, max_value=10, ops="+-", num_train=10000, num_test=500, seed=0,
+             template="{question}\nPut the final answer within \\boxed{{}}.\n")
+SYSTEM_PROMPT = ('Solve the math problem in one line. Example: "Ann has 2 pens. She buys 3 more. How many pens does '
+                 'Ann have now?" Answer: "2 + 3 = 5. The answer is \\boxed{5}."')
 
 
 def get_config(preset: str = "vcppo") -> ml_collections.ConfigDict:
@@ -35,24 +39,24 @@ def get_config(preset: str = "vcppo") -> ml_collections.ConfigDict:
     c.workdir, c.sft_dir = f"{ROOT}/{preset}", MODEL_DIR
     c.task.name, c.task.data_dir = "word_problems", f"{ROOT}/tfds"
     c.task.knobs = ml_collections.ConfigDict(KNOBS)
-    c.task.chat_template = True
+    c.task.chat_template, c.task.system_prompt = True, SYSTEM_PROMPT
     c.task.max_prompt_len, c.task.max_response_len = 128, 128
     c.sampling.temperature = 0.7  # at 1.0 the 135M model's samples are mostly off-topic
     c.prompts_per_step, c.group_size, c.num_minibatches = 8, 4, 2
     c.actor_optim.lr, c.actor_optim.warmup_steps = 1e-5, 2
     c.critic_optim.lr = 3e-5
-    c.num_steps, c.eval_every, c.save_every, c.eval_prompts = 24, 12, 6, 128
+    c.num_steps, c.eval_every, c.save_every, c.eval_prompts = 12, 12, 6, 128
     c.eval_kl_to_sft = False  # the probe doubles each evaluation's cost; KL is in rollout/kl_to_ref (kl_coef)
     c.logprob_chunk = 128
     if preset == "vcppo":
         c.lambda_actor, c.lambda_critic = 0.95, 1.0
         c.critic_init, c.critic_dir = "value_pretrain", f"{ROOT}/value_pretrain"
-        c.stage_overrides.value_pretrain.update(dict(max_steps=24, min_steps=8, prompts_per_step=8, group_size=4,
+        c.stage_overrides.value_pretrain.update(dict(max_steps=8, min_steps=8, prompts_per_step=8, group_size=4,
                                                      lr=3e-5))
     elif preset == "ppo":
         c.lambda_actor, c.lambda_critic = 0.95, 0.95
         c.critic_init, c.critic_dir = "reward_model", f"{ROOT}/reward_model"
-        c.stage_overrides.reward_model.update(dict(max_steps=24, min_steps=8, prompts_per_step=8, group_size=4,
+        c.stage_overrides.reward_model.update(dict(max_steps=8, min_steps=8, prompts_per_step=8, group_size=4,
                                                    lr=3e-5))
     else:
         c.advantage = "group"

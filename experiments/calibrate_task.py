@@ -16,12 +16,12 @@ import json
 import pathlib
 import time
 
-
 import jax
 import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
+import provenance
 from vcppo_jax import builders, rewards, rollout
 from vcppo_jax.models import CausalLM, load_hf_checkpoint
 from vcppo_jax.models.hf import is_hf_checkpoint
@@ -70,8 +70,9 @@ def main(argv):
         stats = sample_stats(sampler, variables["params"], source, tok, verifier, num=FLAGS.num,
                              batch=FLAGS.batch, max_prompt_len=t.max_prompt_len)
         result = {"policy": config.sft_dir, "task": t.name, "knobs": setting.task.knobs.to_dict(),
-                  "temperature": s.temperature, "num": FLAGS.num, "max_response_len": t.max_response_len,
-                  **stats, "seconds": round(time.perf_counter() - start)}
+                  "system_prompt": t.system_prompt, "temperature": s.temperature, "num": FLAGS.num,
+                  "max_response_len": t.max_response_len,
+                  **stats, "seconds": round(time.perf_counter() - start), "provenance": provenance.record()}
         print(json.dumps(result), flush=True)
         results.append(result)
         if FLAGS.out:

@@ -33,6 +33,7 @@ import ml_collections
 import plot_results
 import tpu_plans
 from vcppo_jax import config as config_lib
+from vcppo_jax.data import math_tasks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "experiments" / "results"
@@ -248,6 +249,11 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _prompt_text(text: str) -> str:
+    """Prompt text as one table cell: a code span, newlines shown as \\n."""
+    return "`" + _cell(text.replace("\n", "\\n")) + "`"
+
+
 def config_markdown() -> str:
     rows = config_rows()
     merged: dict[tuple, dict] = {}  # one row per (field, description, allowed values), its stages and defaults
@@ -321,11 +327,16 @@ def mechanism_region(rel: str) -> Callable[[], str]:
 
 def real_model_region() -> str:
     entries = _load("real_model/calibration.json")
-    lines = ["| starting policy | task | knobs | temperature | problems | sampled pass@1 (%) | `\\boxed{}` (%) "
-             "| ended before the cap (%) | mean length | max new tokens |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| starting policy | task | knobs | prompt template | system turn | temperature | problems "
+             "| sampled pass@1 (%) | `\\boxed{}` (%) | ended before the cap (%) | mean length | max new tokens |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
-        knobs = ", ".join(f"{k}={v}" for k, v in e["knobs"].items())
-        lines.append(f"| `{e['policy']}` | {e['task']} | {knobs} | {e['temperature']} | {e['num']} "
+        knobs = ", ".join(f"{k}={v}" for k, v in e["knobs"].items() if k != "template")
+        template = _prompt_text(e["knobs"].get("template", math_tasks.DEFAULT_TEMPLATE).replace("{{}}", "{}"))
+        # Entries from before the field was recorded ran without a system prompt.
+        system = _prompt_text(e["system_prompt"]) if e.get("system_prompt") else "the chat template's default"
+        lines.append(f"| `{e['policy']}` | {e['task']} | {knobs} | {template} | {system} | {e['temperature']} "
+                     f"| {e['num']} "
                      f"| {100 * e['pass@1']:.1f} | {100 * e['boxed_fraction']:.1f} | {100 * e['ended_fraction']:.1f} "
                      f"| {e['response_length_mean']:.1f} | {e['max_response_len']} |")
     return "\n".join(lines + [""] + [provenance_line(e.get("provenance")) for e in entries])
