@@ -84,6 +84,11 @@ def test_tail_narrowing_counts_the_rows_it_computes(params, prompts, eos):
     widths = [min(w for w in slot_widths(B) if w >= n) for n in live]
     assert widths[-1] < B  # the tail did narrow
     assert int(out.num_steps) == len(live) and int(out.decode_rows) == sum(widths)
+    # No stop token: every row runs to R and ends at the full width, where the narrowing tail is skipped.
+    dense, out = (_sample(params, prompts, TEMP, None, **kw) for kw in ({}, dict(engine="slots", num_slots=B)))
+    np.testing.assert_array_equal(out.tokens, dense.tokens)
+    np.testing.assert_allclose(out.logprobs, dense.logprobs, atol=1e-5)
+    assert (out.lengths == R).all() and int(out.decode_rows) == (R - 1) * B
 
 
 def test_slots_logprobs_match_the_trainers(params, prompts, three_slots):

@@ -341,19 +341,31 @@ def _generate_slots(model: CausalLM, opts: _Options, params: Any, prompt_tokens:
         live=jnp.zeros((s,), bool), row=zeros, t=zeros + 1, prev=zeros, n_real=zeros, next_row=jnp.int32(0),
         response=jnp.full((b, r), opts.pad_id, jnp.int32), logprobs=jnp.zeros((b, r), jnp.float32),
         lengths=jnp.zeros((b,), jnp.int32), num_steps=jnp.int32(0), decode_rows=jnp.int32(0))
-    # After `fill` either every slot is live or no row waits: no live slot means every row is done. Each width's
-    # loop runs until the live rows fit the next width (a loop per width: static shapes); only the first refills.
+
+    def loop(st: _SlotState, width: int, narrower: int) -> _SlotState:
+        """Decodes at `width` slots until the live rows fit `narrower` (or none is live); only the first width
+        refills, and with S = B no row ever waits."""
+        step = (lambda st: fill(decode(st))) if width == s and s < b else decode
+        return jax.lax.while_loop(lambda st: jnp.any(st.live) & ~fits(st, narrower), step, st)
+
+    def rows_out(st: _SlotState) -> tuple[Array, ...]:
+        return st.response, st.logprobs, st.lengths, st.num_steps, st.decode_rows
+
+    def narrowing(st: _SlotState) -> tuple[Array, ...]:
+        """The tail: each narrower width's loop on the live rows moved into it (a loop per width: static shapes)."""
+        for width, narrower in zip(widths[1:], widths[2:] + (0,)):
+            st = loop(narrow(st, width), width, narrower)
+        return rows_out(st)
+
+    # After `fill` either every slot is live or no row waits: no live slot means every row is done. When every row
+    # ends at the full width (equal lengths), the tail is skipped: its narrowing copies of the cache would be waste.
     widths = slot_widths(s)
-    st = prefill_all(init) if s == b else fill(init)
-    for width, narrower in zip(widths, widths[1:] + (0,)):
-        if width < s:
-            st = narrow(st, width)
-        step = (lambda st: fill(decode(st))) if width == s else decode
-        st = jax.lax.while_loop(lambda st, n=narrower: jnp.any(st.live) & ~fits(st, n), step, st)
-    response_mask = (jnp.arange(r)[None, :] < st.lengths[:, None]).astype(jnp.float32)
-    return SampleOutput(tokens=jnp.concatenate([prompt_tokens, st.response], axis=1), response_mask=response_mask,
-                        lengths=st.lengths, logprobs=st.logprobs * response_mask, num_steps=st.num_steps,
-                        decode_rows=st.decode_rows)
+    st = loop(prefill_all(init) if s == b else fill(init), s, widths[1] if len(widths) > 1 else 0)
+    response, logprobs, lengths, num_steps, decode_rows = jax.lax.cond(jnp.any(st.live), narrowing, rows_out, st)
+    response_mask = (jnp.arange(r)[None, :] < lengths[:, None]).astype(jnp.float32)
+    return SampleOutput(tokens=jnp.concatenate([prompt_tokens, response], axis=1), response_mask=response_mask,
+                        lengths=lengths, logprobs=logprobs * response_mask, num_steps=num_steps,
+                        decode_rows=decode_rows)
 
 
 @functools.lru_cache(maxsize=64)
