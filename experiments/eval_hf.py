@@ -7,18 +7,22 @@ Nothing of our model, sampler, tokenization or chat code runs here, so its pass@
   python experiments/export_hf.py --config=configs/smollm2.py:grpo --out runs/smollm2/grpo_hf
   python experiments/eval_hf.py --config=configs/smollm2.py:grpo --model runs/smollm2/grpo_hf [--num=128]
   python experiments/eval_hf.py --config=configs/smollm2.py:grpo --model checkpoints/smollm2-135m-instruct
+
+`experiments/real_model_report.py` sets these results beside the runs' own evaluations: write them as
+`experiments/results/real_model/transformers_<arm>.json` (`--out`; `<arm>`: the run directory, or `base` for the
+starting policy).
 """
 
 import json
 import pathlib
 import time
 
-
 import torch
 import transformers as tr
 from absl import app, flags
 from ml_collections import config_flags
 
+import provenance
 from vcppo_jax import builders, rewards
 
 CONFIG = config_flags.DEFINE_config_file("config", None, "The run's config (task, template, lengths).",
@@ -76,7 +80,8 @@ def main(argv):
               "seconds": round(time.perf_counter() - start, 1)}
     print(json.dumps(result))
     if OUT.value:
-        pathlib.Path(OUT.value).write_text(json.dumps(dict(result, rows=rows), indent=1))
+        out = dict(result, provenance=provenance.record(), rows=rows)
+        pathlib.Path(OUT.value).write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

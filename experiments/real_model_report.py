@@ -5,6 +5,9 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
   real_model.json, real_model.md   per arm: greedy pass@1, answer (format) rate, clip ratio and response length at
                                    step 0 (the instruct model) and at the last evaluation, the step reached of the
                                    steps configured; per critic arm, the critic at RL step 1 by position bucket
+                                   and, per `transformers_<arm>.json` in --results (`experiments/eval_hf.py
+                                   --out`; `base`: the instruct model), transformers' greedy pass@1 on the same
+                                   problems beside the run's own evaluation (the last one; step 0 for `base`)
   fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step
   fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
                                    the instruct model, the same responses for every arm), the critic's value by
@@ -19,6 +22,7 @@ The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, 
 from __future__ import annotations
 
 import argparse
+import json
 import pathlib
 from typing import Any
 
@@ -62,6 +66,26 @@ def critic_at_step1(records: list[dict[str, Any]], response_len: int) -> dict[st
             "explained_var": first.get("value/explained_var_old")}
 
 
+def independent_evaluations(runs: dict, results: pathlib.Path, eval_prompts: int) -> dict[str, dict[str, Any]]:
+    """{arm or 'base': transformers' count of correct problems (`eval_hf.py --out`) and the count the run logged on
+    the same problems: its last evaluation, or for `base` a step-0 evaluation (the instruct model, every arm's).
+    Counts are compared only on the recipe's `eval_prompts` problems, the ones the runs evaluate."""
+    out = {}
+    for path in sorted(results.glob("transformers_*.json")):
+        name, hf = path.stem.removeprefix("transformers_"), json.loads(path.read_text())
+        if name == "base":
+            firsts = (plot_results.first_value(r, "eval/pass@1") for r in runs.values())
+            logged = next((f for f in firsts if f and f[0] == 0), None)
+        else:
+            logged = plot_results.final_value(runs[name], "eval/pass@1") if name in runs else None
+        if hf["num"] != eval_prompts:
+            logged = None
+        out[name] = {"model": hf["model"], "num": hf["num"], "correct": hf["correct"], "pass@1": hf["pass@1"],
+                     "response_length_mean": hf["response_length_mean"], "seconds": hf["seconds"],
+                     "logged_step": logged and logged[0], "logged_correct": logged and round(logged[1] * hf["num"])}
+    return out
+
+
 def report_table(runs: dict, recipe) -> dict[str, Any]:
     """Per arm: `EVAL_KEYS` at step 0 and at the last evaluation, the RL steps run, the critic at step 1."""
     response_len = recipe.task.max_response_len
@@ -99,6 +123,18 @@ def report_markdown(table: dict[str, Any]) -> str:
         length = f"{r.get('response_length_step0', nan):.1f} -> {r.get('response_length_last', nan):.1f}"
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
+    if table.get("independent"):
+        lines += ["", "## The same policies evaluated by transformers alone (`experiments/eval_hf.py`)", "",
+                  "Greedy `generate()` of the exported HF folder through its own chat template, graded by the task's "
+                  "verifier, on the run's evaluation problems.", "",
+                  "| policy | HF folder | problems | transformers: correct (pass@1 %) | the run's evaluation: correct "
+                  "(step) | difference (problems) | transformers' time (s) |", "|---|---|---|---|---|---|---|"]
+        for name, e in table["independent"].items():
+            label = "the instruct model (base)" if name == "base" else ARMS.get(name, name)
+            logged = "-" if e["logged_correct"] is None else f"{e['logged_correct']} (step {e['logged_step']})"
+            diff = "-" if e["logged_correct"] is None else f"{e['correct'] - e['logged_correct']:+d}"
+            lines.append(f"| {label} | `{e['model']}` | {e['num']} | {e['correct']} ({pct(e['pass@1'])}) | {logged} "
+                         f"| {diff} | {e['seconds']:.0f} |")
     critics = _critics(table)
     if critics:
         starts = next(iter(critics.values()))["bucket_start"]
@@ -161,6 +197,7 @@ def make_report(root: pathlib.Path, results: pathlib.Path) -> list[pathlib.Path]
         raise SystemExit(f"error: no run of {tuple(ARMS)} under {root}")
     results.mkdir(parents=True, exist_ok=True)
     table = report_table(runs, config_files.load("smollm2"))
+    table["independent"] = independent_evaluations(runs, results, table["recipe"]["eval_prompts"])
     js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
     figs = (plot_learning(runs, results / "fig_real_model_learning.png"),
             plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))

@@ -506,6 +506,12 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
                 w.write(s, step1 if s == 1 else {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0})
             w.write(steps, evals[steps])
         truth[arm] = (evals, step1, steps)
+    # eval_hf.py's results: the base model on the recipe's eval_prompts problems, GRPO's on as many, VC-PPO's on fewer.
+    (tmp_path / "results").mkdir()
+    for name, num, correct in (("base", 128, 30), ("grpo", 128, 70), ("vcppo", 64, 10)):
+        hf = {"model": f"runs/{name}_hf", "num": num, "correct": correct, "pass@1": correct / num,
+              "response_length_mean": 40.0, "seconds": 100.0}
+        (tmp_path / "results" / f"transformers_{name}.json").write_text(json.dumps(hf))
     paths = real_model_report.make_report(tmp_path, tmp_path / "results")
     assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_learning.png",
                                        "fig_real_model_value_by_position.png"}
@@ -525,6 +531,14 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
         value_minus_err = [step1[f"diag/value_pos{i:02d}"] - step1[f"diag/value_err_pos{i:02d}"] for i in range(4)]
         assert critic["mc_return"] == pytest.approx(value_minus_err)
         assert critic["bucket_start"] == [0, 32, 64, 96]  # configs/smollm2.py: 128-token responses
+    independent = table["independent"]
+    assert independent["base"]["logged_step"] == 0  # any arm's step-0 evaluation: the instruct model
+    assert independent["base"]["logged_correct"] == round(truth["vcppo"][0][0]["eval/pass@1"] * 128)
+    assert (independent["grpo"]["logged_step"], independent["grpo"]["logged_correct"]) == (
+        4, round(truth["grpo"][0][4]["eval/pass@1"] * 128))  # the last evaluation
+    assert independent["vcppo"]["logged_correct"] is None  # 64 problems: not the runs' 128
     md = (tmp_path / "results" / "real_model.md").read_text()
+    diff = 70 - independent["grpo"]["logged_correct"]
+    assert f"| {diff:+d} |" in md and "| 10 (15.6) | - | - |" in md
     assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
     assert (tmp_path / "results" / "fig_real_model_value_by_position.png").read_bytes()[:8] == PNG_MAGIC
