@@ -31,6 +31,7 @@ from typing import Any, Callable
 import ml_collections
 
 import plot_results
+import real_model_report
 import tpu_plans
 from vcppo_jax import config as config_lib
 from vcppo_jax.data import math_tasks
@@ -339,7 +340,12 @@ def real_model_region() -> str:
                      f"| {e['num']} "
                      f"| {100 * e['pass@1']:.1f} | {100 * e['boxed_fraction']:.1f} | {100 * e['ended_fraction']:.1f} "
                      f"| {e['response_length_mean']:.1f} | {e['max_response_len']} |")
-    return "\n".join(lines + [""] + [provenance_line(e.get("provenance")) for e in entries])
+    return "\n".join(lines + [""] + [f"{i}. {provenance_line(e.get('provenance'))}" for i, e in enumerate(entries, 1)])
+
+
+def real_model_runs_region() -> str:
+    table = _load("real_model/real_model.json")
+    return _demote(real_model_report.report_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
 
 
 def rollout_region() -> str:
@@ -388,6 +394,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[], str]]] = {
         "mechanism_long": mechanism_region("mechanism_long/mechanism.json"),
         "mechanism_long_check": mechanism_region("mechanism_long_check/mechanism.json"),
         "real_model": real_model_region,
+        "real_model_runs": real_model_runs_region,
     },
     "experiments/BENCHMARKS.md": {
         "rollout": rollout_region,

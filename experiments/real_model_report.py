@@ -119,8 +119,8 @@ def report_markdown(table: dict[str, Any]) -> str:
              "| length |", "|---|---|---|---|---|---|---|"]
     for r in table["arms"].values():
         arrow = lambda k: f"{pct(r.get(k + '_step0'))} -> {pct(r.get(k + '_last'))}"  # noqa: E731
-        nan = float("nan")
-        length = f"{r.get('response_length_step0', nan):.1f} -> {r.get('response_length_last', nan):.1f}"
+        length = " -> ".join("-" if r.get(k) is None else f"{r[k]:.1f}"
+                             for k in ("response_length_step0", "response_length_last"))
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
     if table.get("independent"):
