@@ -312,17 +312,11 @@ def _demote(markdown: str) -> str:
     return "\n".join(f"**{ln.lstrip('#').strip()}**" if ln.startswith("#") else ln for ln in lines).strip("\n")
 
 
-def learning_region(rel: str) -> Callable[[], str]:
+def study_region(rel: str, markdown: Callable[[dict], str]) -> Callable[[], str]:
+    """A study's table (`rel` under results/) rendered by its report's `markdown`, with its provenance line."""
     def render() -> str:
         table = _load(rel)
-        return _demote(plot_results.learning_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
-    return render
-
-
-def mechanism_region(rel: str) -> Callable[[], str]:
-    def render() -> str:
-        table = _load(rel)
-        return _demote(plot_results.mechanism_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
+        return _demote(markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
     return render
 
 
@@ -341,11 +335,6 @@ def real_model_region() -> str:
                      f"| {100 * e['pass@1']:.1f} | {100 * e['boxed_fraction']:.1f} | {100 * e['ended_fraction']:.1f} "
                      f"| {e['response_length_mean']:.1f} | {e['max_response_len']} |")
     return "\n".join(lines + [""] + [f"{i}. {provenance_line(e.get('provenance'))}" for i, e in enumerate(entries, 1)])
-
-
-def real_model_runs_region() -> str:
-    table = _load("real_model/real_model.json")
-    return _demote(real_model_report.report_markdown(table)) + "\n\n" + provenance_line(table.get("provenance"))
 
 
 def rollout_region() -> str:
@@ -388,13 +377,14 @@ def transcribed_region(rel: str) -> Callable[[], str]:
 
 DOCUMENTS: dict[str, dict[str, Callable[[], str]]] = {
     "experiments/STUDIES.md": {
-        "learning": learning_region("learning.json"),
-        "learning_rerun": learning_region("learning_rerun/learning.json"),
-        "mechanism": mechanism_region("mechanism.json"),
-        "mechanism_long": mechanism_region("mechanism_long/mechanism.json"),
-        "mechanism_long_check": mechanism_region("mechanism_long_check/mechanism.json"),
+        "learning": study_region("learning.json", plot_results.learning_markdown),
+        "learning_rerun": study_region("learning_rerun/learning.json", plot_results.learning_markdown),
+        "mechanism": study_region("mechanism.json", plot_results.mechanism_markdown),
+        "mechanism_long": study_region("mechanism_long/mechanism.json", plot_results.mechanism_markdown),
+        "mechanism_long_check": study_region("mechanism_long_check/mechanism.json",
+                                             plot_results.mechanism_markdown),
         "real_model": real_model_region,
-        "real_model_runs": real_model_runs_region,
+        "real_model_runs": study_region("real_model/real_model.json", real_model_report.report_markdown),
     },
     "experiments/BENCHMARKS.md": {
         "rollout": rollout_region,
