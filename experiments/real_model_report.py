@@ -7,7 +7,8 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
                                    steps configured; per critic arm, the critic at RL step 1 by position bucket
                                    and, per `transformers_<arm>.json` in --results (`experiments/eval_hf.py
                                    --out`; `base`: the instruct model), transformers' greedy pass@1 on the same
-                                   problems beside the run's own evaluation (the last one; step 0 for `base`)
+                                   problems beside the run's own evaluation (the last one; step 0 for `base`);
+                                   per critic stage (`CRITIC_STAGES`), how far its fit went before RL
   fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step
   fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
                                    the instruct model, the same responses for every arm), the critic's value by
@@ -16,7 +17,11 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
 
   python experiments/real_model_report.py [--root runs/smollm2] [--results experiments/results/real_model]
 
-The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says.
+The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says, and
+`vcppo_vp8`, VC-PPO from a shorter critic fit (the recipe's value pretraining at 8 steps and lr 3e-5):
+  python experiments/train.py --config=configs/smollm2.py:vcppo --config.workdir=runs/smollm2/vcppo_vp8 \
+      --config.critic_dir=runs/smollm2/value_pretrain_vp8 --config.stage_overrides.value_pretrain.max_steps=8 \
+      --config.stage_overrides.value_pretrain.min_steps=8 --config.stage_overrides.value_pretrain.lr=3e-5
 """
 
 from __future__ import annotations
@@ -39,9 +44,13 @@ from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 # Run directory under --root -> label. `ppo_step1`: the PPO preset stopped after one step (its critic at step 1).
 ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GRPO",
         "ppo": "PPO (reward-model critic, GAE 0.95)", "ppo_step1": "PPO, first step only (reward-model critic)",
-        "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)"}
+        "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)",
+        "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5"}
 CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
-               "vcppo": ("value-pretrained critic", "C0")}
+               "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1")}
+# The critic arms' critic stages (their `critic_dir` under --root): how far each fit went before RL started.
+CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "ppo": "reward_model",
+                 "ppo_step1": "reward_model"}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
 
@@ -64,6 +73,26 @@ def critic_at_step1(records: list[dict[str, Any]], response_len: int) -> dict[st
     return {"bucket_start": [i * response_len // n for i in range(n)], "tokens": counts, "value": value,
             "mc_return": mc, "value_err_first": first.get("diag/value_err_first"),
             "explained_var": first.get("value/explained_var_old")}
+
+
+def critic_stage_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A value-pretraining or reward-model stage's fit: steps run, value loss and explained variance at the first
+    and last step, the critic's mean prediction at the last step against the mean sequence reward of the stage's
+    rollouts (what a calibrated critic's mean approaches), and whether the stage's convergence test passed."""
+    fit = [r for r in records if "value/loss" in r]
+    rewards = [r["rollout/reward_mean"] for r in fit if "rollout/reward_mean" in r]
+    first, last = fit[0], fit[-1]
+    return {"steps": last["step"], "loss_first": first["value/loss"], "loss_last": last["value/loss"],
+            "explained_var_last": last.get("value/explained_var"), "value_mean_last": last.get("value/mean"),
+            "reward_mean": float(np.mean(rewards)) if rewards else None,
+            "converged": bool(last.get("value/converged", 0.0))}
+
+
+def critic_stages(root: pathlib.Path, runs: dict) -> dict[str, dict[str, Any]]:
+    """{critic stage directory: `critic_stage_summary`} for the critic arms run under `root`."""
+    stages = sorted({CRITIC_STAGES[a] for a in runs if a in CRITIC_STAGES})
+    return {s: critic_stage_summary(read_metrics(root / s)) for s in stages
+            if (root / s / METRICS_FILE).is_file() and any("value/loss" in r for r in read_metrics(root / s))}
 
 
 def independent_evaluations(runs: dict, results: pathlib.Path, eval_prompts: int) -> dict[str, dict[str, Any]]:
@@ -135,6 +164,17 @@ def report_markdown(table: dict[str, Any]) -> str:
             diff = "-" if e["logged_correct"] is None else f"{e['correct'] - e['logged_correct']:+d}"
             lines.append(f"| {label} | `{e['model']}` | {e['num']} | {e['correct']} ({pct(e['pass@1'])}) | {logged} "
                          f"| {diff} | {e['seconds']:.0f} |")
+    if table.get("critic_stages"):
+        lines += ["", "## The critic stages before RL", "",
+                  "Value loss (half the squared error to the Monte-Carlo return), explained variance, and the "
+                  "critic's mean prediction against the mean sequence reward of the stage's rollouts.", "",
+                  "| stage | steps | value loss first -> last | explained variance | mean value | mean reward "
+                  "| converged |", "|---|---|---|---|---|---|---|"]
+        for stage, c in table["critic_stages"].items():
+            num = lambda v: "-" if v is None else f"{v:+.3f}"  # noqa: E731
+            lines.append(f"| `{stage}` | {c['steps']} | {c['loss_first']:.3f} -> {c['loss_last']:.3f} "
+                         f"| {num(c['explained_var_last'])} | {num(c['value_mean_last'])} | {num(c['reward_mean'])} "
+                         f"| {'yes' if c['converged'] else 'no'} |")
     critics = _critics(table)
     if critics:
         starts = next(iter(critics.values()))["bucket_start"]
@@ -198,6 +238,7 @@ def make_report(root: pathlib.Path, results: pathlib.Path) -> list[pathlib.Path]
     results.mkdir(parents=True, exist_ok=True)
     table = report_table(runs, config_files.load("smollm2"))
     table["independent"] = independent_evaluations(runs, results, table["recipe"]["eval_prompts"])
+    table["critic_stages"] = critic_stages(root, runs)
     js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
     figs = (plot_learning(runs, results / "fig_real_model_learning.png"),
             plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))

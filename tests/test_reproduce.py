@@ -506,6 +506,12 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
                 w.write(s, step1 if s == 1 else {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0})
             w.write(steps, evals[steps])
         truth[arm] = (evals, step1, steps)
+    # The critic stages: value pretraining fit for 3 steps (converged at the last); the reward model has no metrics.
+    fit = [{"value/loss": 0.5 - 0.1 * s, "value/explained_var": 0.1 * s, "value/mean": -0.2 * s,
+            "value/converged": float(s == 3), "rollout/reward_mean": -0.5 - 0.1 * s} for s in (1, 2, 3)]
+    with MetricWriter(tmp_path / "value_pretrain", tensorboard=False) as w:
+        for s, m in enumerate(fit, 1):
+            w.write(s, m)
     # eval_hf.py's results: the base model on the recipe's eval_prompts problems, GRPO's on as many, VC-PPO's on fewer.
     (tmp_path / "results").mkdir()
     for name, num, correct in (("base", 128, 30), ("grpo", 128, 70), ("vcppo", 64, 10)):
@@ -537,7 +543,12 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     assert (independent["grpo"]["logged_step"], independent["grpo"]["logged_correct"]) == (
         4, round(truth["grpo"][0][4]["eval/pass@1"] * 128))  # the last evaluation
     assert independent["vcppo"]["logged_correct"] is None  # 64 problems: not the runs' 128
+    assert table["critic_stages"] == {"value_pretrain": {
+        "steps": 3, "loss_first": pytest.approx(0.4), "loss_last": pytest.approx(0.2),
+        "explained_var_last": pytest.approx(0.3), "value_mean_last": pytest.approx(-0.6),
+        "reward_mean": pytest.approx(-0.7), "converged": True}}
     md = (tmp_path / "results" / "real_model.md").read_text()
+    assert "| `value_pretrain` | 3 | 0.400 -> 0.200 | +0.300 | -0.600 | -0.700 | yes |" in md
     diff = 70 - independent["grpo"]["logged_correct"]
     assert f"| {diff:+d} |" in md and "| 10 (15.6) | - | - |" in md
     assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
