@@ -90,9 +90,12 @@ def critic_stage_summary(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 def critic_stages(root: pathlib.Path, runs: dict) -> dict[str, dict[str, Any]]:
     """{critic stage directory: `critic_stage_summary`} for the critic arms run under `root`."""
-    stages = sorted({CRITIC_STAGES[a] for a in runs if a in CRITIC_STAGES})
-    return {s: critic_stage_summary(read_metrics(root / s)) for s in stages
-            if (root / s / METRICS_FILE).is_file() and any("value/loss" in r for r in read_metrics(root / s))}
+    out = {}
+    for stage in sorted({CRITIC_STAGES[a] for a in runs if a in CRITIC_STAGES}):
+        records = read_metrics(root / stage) if (root / stage / METRICS_FILE).is_file() else []
+        if any("value/loss" in r for r in records):
+            out[stage] = critic_stage_summary(records)
+    return out
 
 
 def independent_evaluations(runs: dict, results: pathlib.Path, eval_prompts: int) -> dict[str, dict[str, Any]]:
@@ -170,8 +173,8 @@ def report_markdown(table: dict[str, Any]) -> str:
                   "critic's mean prediction against the mean sequence reward of the stage's rollouts.", "",
                   "| stage | steps | value loss first -> last | explained variance | mean value | mean reward "
                   "| converged |", "|---|---|---|---|---|---|---|"]
+        num = lambda v: "-" if v is None else f"{v:+.3f}"  # noqa: E731
         for stage, c in table["critic_stages"].items():
-            num = lambda v: "-" if v is None else f"{v:+.3f}"  # noqa: E731
             lines.append(f"| `{stage}` | {c['steps']} | {c['loss_first']:.3f} -> {c['loss_last']:.3f} "
                          f"| {num(c['explained_var_last'])} | {num(c['value_mean_last'])} | {num(c['reward_mean'])} "
                          f"| {'yes' if c['converged'] else 'no'} |")
