@@ -142,6 +142,11 @@ def _critics(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {a: r["critic_step1"] for a, r in table["arms"].items() if r.get("critic_step1")}
 
 
+def _section(title: str, intro: str, columns: list[str]) -> list[str]:
+    """Markdown lines opening a report section: its heading, one paragraph, a table's header row and rule."""
+    return ["", f"## {title}", "", intro, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def report_markdown(table: dict[str, Any]) -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
     lines = ["# SmolLM2-135M-Instruct, RL from the instruct model", "", table["columns"] + ".", "",
@@ -156,11 +161,11 @@ def report_markdown(table: dict[str, Any]) -> str:
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
     if table.get("independent"):
-        lines += ["", "## The same policies evaluated by transformers alone (`experiments/eval_hf.py`)", "",
-                  "Greedy `generate()` of the exported HF folder through its own chat template, graded by the task's "
-                  "verifier, on the run's evaluation problems.", "",
-                  "| policy | HF folder | problems | transformers: correct (pass@1 %) | the run's evaluation: correct "
-                  "(step) | difference (problems) | transformers' time (s) |", "|---|---|---|---|---|---|---|"]
+        lines += _section("The same policies evaluated by transformers alone (`experiments/eval_hf.py`)",
+                          "Greedy `generate()` of the exported HF folder through its own chat template, graded by the "
+                          "task's verifier, on the run's evaluation problems.",
+                          ["policy", "HF folder", "problems", "transformers: correct (pass@1 %)",
+                           "the run's evaluation: correct (step)", "difference (problems)", "transformers' time (s)"])
         for name, e in table["independent"].items():
             label = "the instruct model (base)" if name == "base" else ARMS.get(name, name)
             logged = "-" if e["logged_correct"] is None else f"{e['logged_correct']} (step {e['logged_step']})"
@@ -168,11 +173,11 @@ def report_markdown(table: dict[str, Any]) -> str:
             lines.append(f"| {label} | `{e['model']}` | {e['num']} | {e['correct']} ({pct(e['pass@1'])}) | {logged} "
                          f"| {diff} | {e['seconds']:.0f} |")
     if table.get("critic_stages"):
-        lines += ["", "## The critic stages before RL", "",
-                  "Value loss (half the squared error to the Monte-Carlo return), explained variance, and the "
-                  "critic's mean prediction against the mean sequence reward of the stage's rollouts.", "",
-                  "| stage | steps | value loss first -> last | explained variance | mean value | mean reward "
-                  "| converged |", "|---|---|---|---|---|---|---|"]
+        lines += _section("The critic stages before RL",
+                          "Value loss (half the squared error to the Monte-Carlo return), explained variance, and the "
+                          "critic's mean prediction against the mean sequence reward of the stage's rollouts.",
+                          ["stage", "steps", "value loss first -> last", "explained variance", "mean value",
+                           "mean reward", "converged"])
         num = lambda v: "-" if v is None else f"{v:+.3f}"  # noqa: E731
         for stage, c in table["critic_stages"].items():
             lines.append(f"| `{stage}` | {c['steps']} | {c['loss_first']:.3f} -> {c['loss_last']:.3f} "
@@ -181,9 +186,9 @@ def report_markdown(table: dict[str, Any]) -> str:
     critics = _critics(table)
     if critics:
         starts = next(iter(critics.values()))["bucket_start"]
-        lines += ["", "## The critic at RL step 1, by response position (tokens)", "",
-                  "Mean value V(s_t) and mean Monte-Carlo return over the first rollout's tokens in each bucket.", "",
-                  "| critic | " + " | ".join(str(s) for s in starts) + " |", "|---|" + "---|" * len(starts)]
+        lines += _section("The critic at RL step 1, by response position (tokens)",
+                          "Mean value V(s_t) and mean Monte-Carlo return over the first rollout's tokens in each "
+                          "bucket.", ["critic", *(str(s) for s in starts)])
         for arm, c in critics.items():
             label = CRITIC_ARMS[arm][0]
             lines.append(f"| {label}: value | " + " | ".join(_num(v, n) for v, n in zip(c["value"], c["tokens"]))
