@@ -58,8 +58,8 @@ def get_config(preset: str = "vcppo") -> ml_collections.ConfigDict:
     elif preset == "ppo":
         c.lambda_actor, c.lambda_critic = 0.95, 0.95
         c.critic_init, c.critic_dir = "reward_model", f"{ROOT}/reward_model"
-        c.stage_overrides.reward_model.update(dict(max_steps=8, min_steps=8, prompts_per_step=8, group_size=4,
-                                                   lr=3e-5))
+        c.stage_overrides.reward_model.update(dict(max_steps=24, min_steps=16, prompts_per_step=8, group_size=4,
+                                                   lr=1e-4))  # the critic fit of the vcppo preset
     else:
         c.advantage = "group"
     return c

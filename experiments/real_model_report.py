@@ -17,11 +17,18 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
 
   python experiments/real_model_report.py [--root runs/smollm2] [--results experiments/results/real_model]
 
-The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says, and
-`vcppo_vp8`, VC-PPO from a shorter critic fit (the recipe's value pretraining at 8 steps and lr 3e-5):
+The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says;
+`ppo_step1`, the ppo preset stopped after its first step (`--config.num_steps=1
+--config.workdir=runs/smollm2/ppo_step1`); and the same from a shorter critic fit (8 steps at lr 3e-5 instead of
+the recipe's 24 at 1e-4), `vcppo_vp8`:
   python experiments/train.py --config=configs/smollm2.py:vcppo --config.workdir=runs/smollm2/vcppo_vp8 \
       --config.critic_dir=runs/smollm2/value_pretrain_vp8 --config.stage_overrides.value_pretrain.max_steps=8 \
       --config.stage_overrides.value_pretrain.min_steps=8 --config.stage_overrides.value_pretrain.lr=3e-5
+and `ppo_step1_rm8`:
+  python experiments/train.py --config=configs/smollm2.py:ppo --config.num_steps=1 \
+      --config.workdir=runs/smollm2/ppo_step1_rm8 --config.critic_dir=runs/smollm2/reward_model_rm8 \
+      --config.stage_overrides.reward_model.max_steps=8 --config.stage_overrides.reward_model.min_steps=8 \
+      --config.stage_overrides.reward_model.lr=3e-5
 """
 
 from __future__ import annotations
@@ -45,12 +52,14 @@ from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GRPO",
         "ppo": "PPO (reward-model critic, GAE 0.95)", "ppo_step1": "PPO, first step only (reward-model critic)",
         "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)",
-        "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5"}
+        "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5",
+        "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)"}
 CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
-               "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1")}
+               "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1"),
+               "ppo_step1_rm8": ("critic from the reward model, 8 steps", "C5")}
 # The critic arms' critic stages (their `critic_dir` under --root): how far each fit went before RL started.
 CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "ppo": "reward_model",
-                 "ppo_step1": "reward_model"}
+                 "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8"}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
 
@@ -203,7 +212,7 @@ def _num(v: float, tokens: float | None) -> str:
 
 
 def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
-    rl = {a: r for a, r in runs.items() if a != "ppo_step1"}
+    rl = {a: r for a, r in runs.items() if not a.startswith("ppo_step1")}
     if not rl:
         return None
     tree = {a: {0: r} for a, r in rl.items()}
