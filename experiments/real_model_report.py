@@ -62,6 +62,11 @@ CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "
                  "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8"}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
+# The training rollouts (sampled at the recipe's temperature), compared over the first and the last ROLLOUT_WINDOW
+# steps: what separates learning from drift when the greedy evaluation only runs at the start and the end.
+ROLLOUT_KEYS = {"accuracy": "rollout/accuracy", "length": "rollout/response_length_mean",
+                "clip_ratio": "rollout/clip_ratio", "entropy": "rollout/entropy"}
+ROLLOUT_WINDOW = 3
 
 
 def load_runs(root: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
@@ -127,13 +132,24 @@ def independent_evaluations(runs: dict, results: pathlib.Path, eval_prompts: int
     return out
 
 
+def rollout_drift(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """{name}_first / {name}_last for each of `ROLLOUT_KEYS`: its mean over the first / last `ROLLOUT_WINDOW` RL
+    steps; None for a run shorter than two windows."""
+    if len(plot_results.series(records, ROLLOUT_KEYS["accuracy"])[0]) < 2 * ROLLOUT_WINDOW:
+        return None
+    return {f"{name}_{end}": plot_results.steps_mean(records, key, ROLLOUT_WINDOW, last=end == "last")
+            for name, key in ROLLOUT_KEYS.items() for end in ("first", "last")}
+
+
 def report_table(runs: dict, recipe) -> dict[str, Any]:
-    """Per arm: `EVAL_KEYS` at step 0 and at the last evaluation, the RL steps run, the critic at step 1."""
+    """Per arm: `EVAL_KEYS` at step 0 and at the last evaluation, the RL steps run, the training rollouts' drift,
+    the critic at step 1."""
     response_len = recipe.task.max_response_len
     arms = {}
     for arm, records in runs.items():
         row = plot_results.step0_and_last(records, EVAL_KEYS)
-        row.update(label=ARMS[arm], rl_steps=max((r["step"] for r in records), default=0))
+        row.update(label=ARMS[arm], rl_steps=max((r["step"] for r in records), default=0),
+                   rollouts=rollout_drift(records))
         if "pass@1_step0" in row and "pass@1_last" in row:
             row["pass@1_gain"] = row["pass@1_last"] - row["pass@1_step0"]
         if arm in CRITIC_ARMS:
@@ -169,6 +185,18 @@ def report_markdown(table: dict[str, Any]) -> str:
                              for k in ("response_length_step0", "response_length_last"))
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
+    drifts = {r["label"]: r["rollouts"] for r in table["arms"].values() if r.get("rollouts")}
+    if drifts:
+        lines += _section("The training rollouts, first steps -> last steps",
+                          f"Means over the first and the last {ROLLOUT_WINDOW} RL steps of the sampled training "
+                          "responses: accuracy on the true reward, length, the fraction cut at the length cap, and "
+                          "the policy's per-token entropy.", ["arm", "accuracy (%)", "length", "clip ratio (%)",
+                                                               "entropy"])
+        fixed = lambda digits: lambda v: "-" if v is None else f"{v:.{digits}f}"  # noqa: E731
+        for label, d in drifts.items():
+            cell = lambda k, f: f"{f(d[k + '_first'])} -> {f(d[k + '_last'])}"  # noqa: E731
+            lines.append(f"| {label} | {cell('accuracy', pct)} | {cell('length', fixed(1))} "
+                         f"| {cell('clip_ratio', pct)} | {cell('entropy', fixed(2))} |")
     if table.get("independent"):
         lines += _section("The same policies evaluated by transformers alone (`experiments/eval_hf.py`)",
                           "Greedy `generate()` of the exported HF folder through its own chat template, graded by the "

@@ -493,17 +493,18 @@ def test_trailing_mean_matches_a_loop():
 def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     rng = np.random.default_rng(3)
     truth = {}
-    for arm, steps in (("vcppo", 4), ("grpo", 4), ("ppo_step1", 1)):
+    rollout = lambda s: {"rollout/accuracy": 0.1 * s, "rollout/response_length_mean": 9.0 + s}  # noqa: E731
+    for arm, steps in (("vcppo", 6), ("grpo", 4), ("ppo_step1", 1)):
         with MetricWriter(tmp_path / arm, tensorboard=False) as w:
             evals = {s: {k: float(rng.uniform()) for k in real_model_report.EVAL_KEYS.values()} for s in (0, steps)}
-            step1 = {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0}
+            step1 = rollout(1)
             if arm != "grpo":
                 step1.update({f"diag/value_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/value_err_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/tokens_pos{i:02d}": float(i < 3) for i in range(4)})  # the last bucket empty
             w.write(0, evals[0])
             for s in range(1, steps + 1):
-                w.write(s, step1 if s == 1 else {"rollout/accuracy": 0.5, "rollout/response_length_mean": 9.0})
+                w.write(s, step1 if s == 1 else rollout(s))
             w.write(steps, evals[steps])
         truth[arm] = (evals, step1, steps)
     # The critic stages: value pretraining fit for 3 steps (converged at the last); the reward model has no metrics.
@@ -529,6 +530,13 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
         assert row["pass@1_step0"] == evals[0]["eval/pass@1"] and row["answer_rate_last"] == evals[steps][
             "eval/answer_rate"]
         assert row["pass@1_gain"] == pytest.approx(evals[steps]["eval/pass@1"] - evals[0]["eval/pass@1"])
+        if steps < 2 * real_model_report.ROLLOUT_WINDOW:
+            assert row["rollouts"] is None
+        else:  # steps 1-3 against 4-6; the clip ratio and entropy were never logged
+            assert row["rollouts"] == pytest.approx({"accuracy_first": 0.2, "accuracy_last": 0.5, "length_first": 11.0,
+                                                     "length_last": 14.0, "clip_ratio_first": None,
+                                                     "clip_ratio_last": None, "entropy_first": None,
+                                                     "entropy_last": None})
         critic = row.get("critic_step1")
         if arm == "grpo":
             assert critic is None
@@ -551,5 +559,6 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     assert "| `value_pretrain` | 3 | 0.400 -> 0.200 | +0.300 | -0.600 | -0.700 | yes |" in md
     diff = 70 - independent["grpo"]["logged_correct"]
     assert f"| {diff:+d} |" in md and "| 10 (15.6) | - | - |" in md
+    assert f"| {real_model_report.ARMS['vcppo']} | 20.0 -> 50.0 | 11.0 -> 14.0 | - -> - | - -> - |" in md
     assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
     assert (tmp_path / "results" / "fig_real_model_value_by_position.png").read_bytes()[:8] == PNG_MAGIC
