@@ -378,7 +378,6 @@ def transcribed_region(rel: str) -> Callable[[], str]:
 DOCUMENTS: dict[str, dict[str, Callable[[], str]]] = {
     "experiments/STUDIES.md": {
         "learning": study_region("learning.json", plot_results.learning_markdown),
-        "learning_rerun": study_region("learning_rerun/learning.json", plot_results.learning_markdown),
         "mechanism": study_region("mechanism.json", plot_results.mechanism_markdown),
         "mechanism_long": study_region("mechanism_long/mechanism.json", plot_results.mechanism_markdown),
         "mechanism_long_check": study_region("mechanism_long_check/mechanism.json",
