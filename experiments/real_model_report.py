@@ -4,8 +4,9 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
 
   real_model.json, real_model.md   per arm: greedy pass@1, answer (format) rate, clip ratio and response length at
                                    step 0 (the instruct model) and at the last evaluation, the step reached of the
-                                   steps configured; per critic arm, the critic at RL step 1 by position bucket
-                                   and, per `transformers_<arm>.json` in --results (`experiments/eval_hf.py
+                                   steps configured, the training rollouts' accuracy, length, clip ratio and
+                                   entropy over the first and last 3 steps; per critic arm, the critic at RL step 1 by
+                                   position bucket and, per `transformers_<arm>.json` in --results (`eval_hf.py
                                    --out`; `base`: the instruct model), transformers' greedy pass@1 on the same
                                    problems beside the run's own evaluation (the last one; step 0 for `base`);
                                    per critic stage (`CRITIC_STAGES`), how far its fit went before RL
