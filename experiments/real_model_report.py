@@ -30,6 +30,8 @@ and `ppo_step1_rm8`:
       --config.workdir=runs/smollm2/ppo_step1_rm8 --config.critic_dir=runs/smollm2/reward_model_rm8 \
       --config.stage_overrides.reward_model.max_steps=8 --config.stage_overrides.reward_model.min_steps=8 \
       --config.stage_overrides.reward_model.lr=3e-5
+and `grpo_seed1`: `python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1
+--config.workdir=runs/smollm2/grpo_seed1`.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GR
         "ppo": "PPO (reward-model critic, GAE 0.95)", "ppo_step1": "PPO, first step only (reward-model critic)",
         "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)",
         "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5",
-        "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)"}
+        "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)",
+        "grpo_seed1": "GRPO, seed 1"}
 CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
                "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1"),
                "ppo_step1_rm8": ("critic from the reward model, 8 steps", "C5")}
