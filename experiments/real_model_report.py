@@ -255,7 +255,7 @@ def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
     arms = {a: (ARMS[a], f"C{i}") for i, a in enumerate(rl)}
     fig, axes = plot_results.band_panels(tree, arms, panels, (12, 8))
     return plot_results._save(fig, list(axes.flat), path, "SmolLM2-135M-Instruct, word problems: RL from the "
-                              "instruct model (seed 0)")
+                              "instruct model (seed 0 unless the label says otherwise)")
 
 
 def plot_value_by_position(table: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
