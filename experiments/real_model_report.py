@@ -9,7 +9,8 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
                                    position bucket and, per `transformers_<arm>.json` in --results (`eval_hf.py
                                    --out`; `base`: the instruct model), transformers' greedy pass@1 on the same
                                    problems beside the run's own evaluation (the last one; step 0 for `base`);
-                                   per critic stage (`CRITIC_STAGES`), how far its fit went before RL
+                                   per critic stage (`CRITIC_STAGES`), how far its fit went before RL;
+                                   per method of `SEEDED`, its gain on each seed run and their mean
   fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step
   fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
                                    the instruct model, the same responses for every arm), the critic's value by
@@ -30,8 +31,12 @@ and `ppo_step1_rm8`:
       --config.workdir=runs/smollm2/ppo_step1_rm8 --config.critic_dir=runs/smollm2/reward_model_rm8 \
       --config.stage_overrides.reward_model.max_steps=8 --config.stage_overrides.reward_model.min_steps=8 \
       --config.stage_overrides.reward_model.lr=3e-5
-and `grpo_seed1`: `python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1
---config.workdir=runs/smollm2/grpo_seed1`.
+and the second seed of the main arms (`SEEDED`), the same commands with `--config.seed=1` and their own directories:
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.workdir=runs/smollm2/grpo_seed1
+  python experiments/train.py --config=configs/smollm2.py:vcppo --config.seed=1 \
+      --config.workdir=runs/smollm2/vcppo_seed1 --config.critic_dir=runs/smollm2/value_pretrain_seed1
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.shuffle_rewards=True \
+      --config.workdir=runs/smollm2/grpo_shuffled_seed1
 """
 
 from __future__ import annotations
@@ -57,13 +62,18 @@ ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GR
         "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)",
         "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5",
         "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)",
-        "grpo_seed1": "GRPO, seed 1"}
+        "grpo_seed1": "GRPO, seed 1", "vcppo_seed1": "VC-PPO, seed 1",
+        "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)"}
+# Method -> its arms on seeds 0, 1, ...: the gains are summarised across seeds.
+SEEDED = {"VC-PPO": ("vcppo", "vcppo_seed1"), "GRPO": ("grpo", "grpo_seed1"),
+          "GRPO on shuffled rewards (control)": ("grpo_shuffled", "grpo_shuffled_seed1")}
 CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
                "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1"),
                "ppo_step1_rm8": ("critic from the reward model, 8 steps", "C5")}
 # The critic arms' critic stages (their `critic_dir` under --root): how far each fit went before RL started.
 CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "ppo": "reward_model",
-                 "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8"}
+                 "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8",
+                 "vcppo_seed1": "value_pretrain_seed1"}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
 # The training rollouts (sampled at the recipe's temperature), compared over the first and the last ROLLOUT_WINDOW
@@ -159,11 +169,26 @@ def report_table(runs: dict, recipe) -> dict[str, Any]:
         if arm in CRITIC_ARMS:
             row["critic_step1"] = critic_at_step1(records, response_len)
         arms[arm] = row
-    return {"arms": arms, "recipe": {"num_steps": recipe.num_steps, "max_response_len": response_len,
-                                     "eval_prompts": recipe.eval_prompts},
+    return {"arms": arms, "seeds": seed_summary(arms),
+            "recipe": {"num_steps": recipe.num_steps, "max_response_len": response_len,
+                       "eval_prompts": recipe.eval_prompts},
             "columns": "greedy pass@1, answer rate (a final answer the verifier reads: \\boxed{} or 'The answer is "
                        "N'), clip ratio (responses that reached the length cap) and mean length on the first "
                        "eval_prompts test problems, at step 0 (the instruct model) and at the last evaluation"}
+
+
+def seed_summary(arms: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method of `SEEDED` with at least one finished arm: the arms run, each one's greedy pass@1 gain, and
+    their mean (and sample standard deviation over two or more seeds)."""
+    out = {}
+    for method, names in SEEDED.items():
+        done = [a for a in names if arms.get(a, {}).get("pass@1_gain") is not None]
+        if not done:
+            continue
+        gains = [arms[a]["pass@1_gain"] for a in done]
+        out[method] = {"arms": done, "gains": gains, "gain_mean": float(np.mean(gains)),
+                       "gain_std": float(np.std(gains, ddof=1)) if len(gains) > 1 else None}
+    return out
 
 
 def _critics(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -189,6 +214,14 @@ def report_markdown(table: dict[str, Any]) -> str:
                              for k in ("response_length_step0", "response_length_last"))
         lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
+    if table.get("seeds"):
+        lines += _section("Across seeds", "The gain in greedy pass@1 (step 0 -> last evaluation) of each method's "
+                          "arms on seeds 0, 1, ...; mean and sample standard deviation over the seeds run.",
+                          ["method", "seeds run", "gain per seed (points)", "mean gain (points)"])
+        for method, s in table["seeds"].items():
+            spread = "" if s["gain_std"] is None else f" +- {pct(s['gain_std'])}"
+            lines.append(f"| {method} | {len(s['arms'])} | {' / '.join(pct(g) for g in s['gains'])} "
+                         f"| {pct(s['gain_mean'])}{spread} |")
     drifts = {r["label"]: r["rollouts"] for r in table["arms"].values() if r.get("rollouts")}
     if drifts:
         lines += _section("The training rollouts, first steps -> last steps",

@@ -494,11 +494,11 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     rng = np.random.default_rng(3)
     truth = {}
     rollout = lambda s: {"rollout/accuracy": 0.1 * s, "rollout/response_length_mean": 9.0 + s}  # noqa: E731
-    for arm, steps in (("vcppo", 6), ("grpo", 4), ("ppo_step1", 1)):
+    for arm, steps in (("vcppo", 6), ("grpo", 4), ("grpo_seed1", 4), ("ppo_step1", 1)):
         with MetricWriter(tmp_path / arm, tensorboard=False) as w:
             evals = {s: {k: float(rng.uniform()) for k in real_model_report.EVAL_KEYS.values()} for s in (0, steps)}
             step1 = rollout(1)
-            if arm != "grpo":
+            if not arm.startswith("grpo"):
                 step1.update({f"diag/value_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/value_err_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/tokens_pos{i:02d}": float(i < 3) for i in range(4)})  # the last bucket empty
@@ -523,7 +523,7 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_learning.png",
                                        "fig_real_model_value_by_position.png"}
     table = json.loads((tmp_path / "results" / "real_model.json").read_text())
-    assert set(table["arms"]) == {"vcppo", "grpo", "ppo_step1"}  # arms without runs are left out
+    assert set(table["arms"]) == {"vcppo", "grpo", "grpo_seed1", "ppo_step1"}  # arms without runs are left out
     for arm, (evals, step1, steps) in truth.items():
         row = table["arms"][arm]
         assert row["rl_steps"] == steps
@@ -538,13 +538,22 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
                                                      "clip_ratio_last": None, "entropy_first": None,
                                                      "entropy_last": None})
         critic = row.get("critic_step1")
-        if arm == "grpo":
+        if arm.startswith("grpo"):
             assert critic is None
             continue
         assert critic["value"] == [step1[f"diag/value_pos{i:02d}"] for i in range(4)]
         value_minus_err = [step1[f"diag/value_pos{i:02d}"] - step1[f"diag/value_err_pos{i:02d}"] for i in range(4)]
         assert critic["mc_return"] == pytest.approx(value_minus_err)
         assert critic["bucket_start"] == [0, 32, 64, 96]  # configs/smollm2.py: 128-token responses
+    gain = {arm: evals[steps]["eval/pass@1"] - evals[0]["eval/pass@1"] for arm, (evals, _, steps) in truth.items()}
+    seeds = table["seeds"]  # VC-PPO on one seed, GRPO on two, the control on none
+    assert set(seeds) == {"VC-PPO", "GRPO"}
+    assert seeds["VC-PPO"] == {"arms": ["vcppo"], "gains": [pytest.approx(gain["vcppo"])],
+                               "gain_mean": pytest.approx(gain["vcppo"]), "gain_std": None}
+    two = [gain["grpo"], gain["grpo_seed1"]]
+    assert seeds["GRPO"]["arms"] == ["grpo", "grpo_seed1"] and seeds["GRPO"]["gains"] == pytest.approx(two)
+    assert seeds["GRPO"]["gain_mean"] == pytest.approx(sum(two) / 2)
+    assert seeds["GRPO"]["gain_std"] == pytest.approx(abs(two[0] - two[1]) / 2 ** 0.5)  # two seeds: |a - b| / sqrt 2
     independent = table["independent"]
     assert independent["base"]["logged_step"] == 0  # any arm's step-0 evaluation: the instruct model
     assert independent["base"]["logged_correct"] == round(truth["vcppo"][0][0]["eval/pass@1"] * 128)
@@ -557,6 +566,7 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
         "reward_mean": pytest.approx(-0.7), "converged": True}}
     md = (tmp_path / "results" / "real_model.md").read_text()
     assert "| `value_pretrain` | 3 | 0.400 -> 0.200 | +0.300 | -0.600 | -0.700 | yes |" in md
+    assert f"| GRPO | 2 | {100 * two[0]:.1f} / {100 * two[1]:.1f} | {50 * sum(two):.1f} +- " in md
     diff = 70 - independent["grpo"]["logged_correct"]
     assert f"| {diff:+d} |" in md and "| 10 (15.6) | - | - |" in md
     assert f"| {real_model_report.ARMS['vcppo']} | 20.0 -> 50.0 | 11.0 -> 14.0 | - -> - | - -> - |" in md
