@@ -10,14 +10,19 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
                                    --out`; `base`: the instruct model), transformers' greedy pass@1 on the same
                                    problems beside the run's own evaluation (the last one; step 0 for `base`);
                                    per critic stage (`CRITIC_STAGES`), how far its fit went before RL;
-                                   per method of `SEEDED`, its gain on each seed run and their mean
-  fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step
+                                   per method of `SEEDED`, its gain on each seed run and their mean;
+                                   arms with no run under --root keep their rows from the real_model.json already
+                                   there (`carry_over`), marked with that report's provenance
+  fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step (the
+                                   runs under --root; kept, not redrawn, while an RL arm's row is carried over:
+                                   `--learning-figure NAME` draws the runs here under another name)
   fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
                                    the instruct model, the same responses for every arm), the critic's value by
                                    response position against the Monte-Carlo return, for the critic initialised
                                    from a reward model (scored only at EOS) and for the value-pretrained critic
 
-  python experiments/real_model_report.py [--root runs/smollm2] [--results experiments/results/real_model]
+  python experiments/real_model_report.py [--root runs/smollm2] [--results experiments/results/real_model] \
+      [--learning-figure fig_real_model_learning.png]
 
 The arms are `configs/smollm2.py`'s presets and their shuffled-reward controls, run as its docstring says;
 `ppo_step1`, the ppo preset stopped after its first step (`--config.num_steps=1
@@ -81,6 +86,7 @@ EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_r
 ROLLOUT_KEYS = {"accuracy": "rollout/accuracy", "length": "rollout/response_length_mean",
                 "clip_ratio": "rollout/clip_ratio", "entropy": "rollout/entropy"}
 ROLLOUT_WINDOW = 3
+LEARNING_FIGURE = "fig_real_model_learning.png"
 
 
 def load_runs(root: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
@@ -212,8 +218,13 @@ def report_markdown(table: dict[str, Any]) -> str:
         arrow = lambda k: f"{pct(r.get(k + '_step0'))} -> {pct(r.get(k + '_last'))}"  # noqa: E731
         length = " -> ".join("-" if r.get(k) is None else f"{r[k]:.1f}"
                              for k in ("response_length_step0", "response_length_last"))
-        lines.append(f"| {r['label']} | {r['rl_steps']} | {arrow('pass@1')} "
+        mark = " (*)" if r.get("carried_from") else ""
+        lines.append(f"| {r['label']}{mark} | {r['rl_steps']} | {arrow('pass@1')} "
                      f"| {pct(r.get('pass@1_gain'))} | {arrow('answer_rate')} | {arrow('clip_ratio')} | {length} |")
+    origins = sorted({(o["commit"], o["date"]) for r in table["arms"].values() if (o := r.get("carried_from"))})
+    if origins:
+        lines += ["", "(*) read from the runs of an earlier report (" + "; ".join(
+            f"commit {c}, {d}" for c, d in origins) + "), whose run directories are not on this machine."]
     if table.get("seeds"):
         lines += _section("Across seeds", "The gain in greedy pass@1 (step 0 -> last evaluation) of each method's "
                           "arms on seeds 0, 1, ...; mean and sample standard deviation over the seeds run.",
@@ -313,17 +324,50 @@ def plot_value_by_position(table: dict[str, Any], path: pathlib.Path) -> pathlib
                               zero_line=True)
 
 
-def make_report(root: pathlib.Path, results: pathlib.Path) -> list[pathlib.Path]:
+def carry_over(table: dict[str, Any], previous: dict[str, Any], runs: dict) -> list[str]:
+    """Completes `table` from `previous` (the report already in --results) for the arms with no run under --root:
+    their rows, their critic stages, and the run's counts beside their independent evaluations; each carried row
+    keeps `carried_from`, the provenance of the report that read its run. Rows follow `ARMS`; the seed summary is
+    redone over all of them. Returns the carried arms."""
+    old_arms = previous.get("arms", {})
+    carried = [a for a in ARMS if a in old_arms and a not in runs]
+    origin = previous.get("provenance")
+    for arm in carried:
+        table["arms"][arm] = {**old_arms[arm], "carried_from": old_arms[arm].get("carried_from") or origin}
+    table["arms"] = {a: table["arms"][a] for a in ARMS if a in table["arms"]}
+    table["seeds"] = seed_summary(table["arms"])
+    for stage in sorted({CRITIC_STAGES[a] for a in carried if a in CRITIC_STAGES}):
+        if stage not in table["critic_stages"] and stage in previous.get("critic_stages", {}):
+            table["critic_stages"][stage] = previous["critic_stages"][stage]
+    for name, entry in table["independent"].items():
+        old = previous.get("independent", {}).get(name)
+        if name in carried and old and old["num"] == entry["num"]:
+            entry.update(logged_step=old["logged_step"], logged_correct=old["logged_correct"])
+    return carried
+
+
+def make_report(root: pathlib.Path, results: pathlib.Path,
+                learning_figure: str = LEARNING_FIGURE) -> list[pathlib.Path]:
+    """The report from the runs under `root`, completed by the report already in `results` for arms whose runs are
+    not here (`carry_over`). The learning figure draws runs' curves, which a carried row no longer has: with carried
+    arms it is written only under another name than `LEARNING_FIGURE`, which keeps the figure of the earlier runs."""
     runs = load_runs(root)
     if not runs:
         raise SystemExit(f"error: no run of {tuple(ARMS)} under {root}")
     results.mkdir(parents=True, exist_ok=True)
+    previous = json.loads((results / "real_model.json").read_text()) if (results / "real_model.json").is_file() else {}
     table = report_table(runs, config_files.load("smollm2"))
     table["independent"] = independent_evaluations(runs, results, table["recipe"]["eval_prompts"])
     table["critic_stages"] = critic_stages(root, runs)
+    carried = carry_over(table, previous, runs)
     js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
-    figs = (plot_learning(runs, results / "fig_real_model_learning.png"),
-            plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))
+    learning = None
+    if learning_figure != LEARNING_FIGURE or not any(not a.startswith("ppo_step1") for a in carried):
+        learning = plot_learning(runs, results / learning_figure)
+    else:
+        print(f"[real_model_report] {LEARNING_FIGURE} kept: {', '.join(carried)} have no run under {root}; "
+              "--learning-figure NAME draws the runs here")
+    figs = (learning, plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))
     return [p for p in (*figs, js, md) if p is not None]
 
 
@@ -331,8 +375,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", default="runs/smollm2", help="the runs' parent directory (configs/smollm2.py ROOT)")
     parser.add_argument("--results", default=str(pathlib.Path(__file__).resolve().parent / "results" / "real_model"))
+    parser.add_argument("--learning-figure", default=LEARNING_FIGURE,
+                        help="file name of the learning figure (runs under --root only; see make_report)")
     args = parser.parse_args()
-    for path in make_report(pathlib.Path(args.root), pathlib.Path(args.results)):
+    for path in make_report(pathlib.Path(args.root), pathlib.Path(args.results), args.learning_figure):
         print(path)
 
 

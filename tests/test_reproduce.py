@@ -4,6 +4,7 @@ metrics tree written here with the loops' own MetricWriter, in the layout and or
 
 import json
 import pathlib
+import shutil
 
 import config_files
 import numpy as np
@@ -571,4 +572,27 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     assert f"| {diff:+d} |" in md and "| 10 (15.6) | - | - |" in md
     assert f"| {real_model_report.ARMS['vcppo']} | 20.0 -> 50.0 | 11.0 -> 14.0 | - -> - | - -> - |" in md
     assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
+    assert "(*)" not in md
+
+    # The GRPO runs gone from the root: their rows, seeds and counts stay, marked; the learning figure is kept.
+    results = tmp_path / "results"
+    figure = (results / real_model_report.LEARNING_FIGURE).read_bytes()
+    for arm in ("grpo", "grpo_seed1"):
+        shutil.rmtree(tmp_path / arm)
+    paths = real_model_report.make_report(tmp_path, results)
+    assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_value_by_position.png"}
+    assert (results / real_model_report.LEARNING_FIGURE).read_bytes() == figure
+    again = json.loads((results / "real_model.json").read_text())
+    assert list(again["arms"]) == ["vcppo", "grpo", "ppo_step1", "grpo_seed1"]  # the order of ARMS
+    for arm in ("grpo", "grpo_seed1"):
+        assert again["arms"][arm] == {**table["arms"][arm], "carried_from": table["provenance"]}
+    assert again["arms"]["vcppo"] == table["arms"]["vcppo"] and again["seeds"] == table["seeds"]
+    assert again["independent"] == table["independent"] and again["critic_stages"] == table["critic_stages"]
+    md = (results / "real_model.md").read_text()
+    assert "| GRPO (*) | 4 |" in md and "| GRPO, seed 1 (*) | 4 |" in md and "| GRPO, seed 1 |" not in md
+    assert f"(*) read from the runs of an earlier report (commit {table['provenance']['commit']}" in md
+    paths = real_model_report.make_report(tmp_path, results, "fig_added.png")  # the runs here, another name
+    assert "fig_added.png" in {p.name for p in paths}
+    assert json.loads((results / "real_model.json").read_text())["arms"]["grpo"]["carried_from"] == table[
+        "provenance"]  # carried again: still the report that read the run
     assert (tmp_path / "results" / "fig_real_model_value_by_position.png").read_bytes()[:8] == PNG_MAGIC
