@@ -339,6 +339,7 @@ def carry_over(table: dict[str, Any], previous: dict[str, Any], runs: dict) -> l
     for stage in sorted({CRITIC_STAGES[a] for a in carried if a in CRITIC_STAGES}):
         if stage not in table["critic_stages"] and stage in previous.get("critic_stages", {}):
             table["critic_stages"][stage] = previous["critic_stages"][stage]
+    table["critic_stages"] = dict(sorted(table["critic_stages"].items()))
     for name, entry in table["independent"].items():
         old = previous.get("independent", {}).get(name)
         if name in carried and old and old["num"] == entry["num"]:
