@@ -75,8 +75,8 @@ def test_tail_narrowing_counts_the_rows_it_computes(params, prompts, eos):
     step runs at the narrowest of `slot_widths(B)` that holds them, and decode_rows sums those widths (a numpy count
     from the dense engine's lengths). The rows still sample what the dense engine samples."""
     assert slot_widths(8) == (8, 4, 2, 1) and slot_widths(3) == (3, 1) and slot_widths(1) == (1,)
-    assert slot_widths(64) == (64, 56, 48, 40, 32, 24, 16, 8, 4, 2, 1) and slot_widths(12) == (12, 8, 4, 2, 1)
-    assert slot_widths(256) == (256, 224, 192, 160, 128, 96, 64, 32, 16, 8, 4, 2, 1)
+    assert slot_widths(64) == (64, *range(60, 0, -4), 2, 1) and slot_widths(12) == (12, 8, 4, 2, 1)
+    assert slot_widths(256) == (256, *range(240, 0, -16), 8, 4, 2, 1)
     dense = _sample(params, prompts, TEMP, eos)
     out = _sample(params, prompts, TEMP, eos, engine="slots", num_slots=B)
     np.testing.assert_array_equal(out.tokens, dense.tokens)
