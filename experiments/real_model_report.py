@@ -287,8 +287,13 @@ def _num(v: float, tokens: float | None) -> str:
     return "-" if tokens == 0 else f"{v:+.2f}"
 
 
+def _in_learning_figure(arm: str) -> bool:
+    """An arm whose curves the learning figure draws: not the one-step `ppo_step1*` arms (kept for their critic)."""
+    return not arm.startswith("ppo_step1")
+
+
 def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
-    rl = {a: r for a, r in runs.items() if not a.startswith("ppo_step1")}
+    rl = {a: r for a, r in runs.items() if _in_learning_figure(a)}
     if not rl:
         return None
     tree = {a: {0: r} for a, r in rl.items()}
@@ -356,14 +361,15 @@ def make_report(root: pathlib.Path, results: pathlib.Path,
     if not runs:
         raise SystemExit(f"error: no run of {tuple(ARMS)} under {root}")
     results.mkdir(parents=True, exist_ok=True)
-    previous = json.loads((results / "real_model.json").read_text()) if (results / "real_model.json").is_file() else {}
+    report = results / "real_model.json"
+    previous = json.loads(report.read_text()) if report.is_file() else {}
     table = report_table(runs, config_files.load("smollm2"))
     table["independent"] = independent_evaluations(runs, results, table["recipe"]["eval_prompts"])
     table["critic_stages"] = critic_stages(root, runs)
     carried = carry_over(table, previous, runs)
     js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
     learning = None
-    if learning_figure != LEARNING_FIGURE or not any(not a.startswith("ppo_step1") for a in carried):
+    if learning_figure != LEARNING_FIGURE or not any(map(_in_learning_figure, carried)):
         learning = plot_learning(runs, results / learning_figure)
     else:
         print(f"[real_model_report] {LEARNING_FIGURE} kept: {', '.join(carried)} have no run under {root}; "
