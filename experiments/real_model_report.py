@@ -16,6 +16,7 @@ Reads `<root>/<arm>/metrics.jsonl` for each arm of `ARMS` that exists and writes
   fig_real_model_learning.png      greedy pass@1 and the training rollouts' accuracy and length vs RL step (the
                                    runs under --root; kept, not redrawn, while an RL arm's row is carried over:
                                    `--learning-figure NAME` draws the runs here under another name)
+  fig_real_model_probes.png        the same panels for the probes of the recipe (arms in a subfolder of --root)
   fig_real_model_value_by_position.png  the paper's Fig. 2 on a real backbone: at RL step 1 (the first rollout of
                                    the instruct model, the same responses for every arm), the critic's value by
                                    response position against the Monte-Carlo return, for the critic initialised
@@ -42,6 +43,15 @@ and the second seed of the main arms (`SEEDED`), the same commands with `--confi
       --config.workdir=runs/smollm2/vcppo_seed1 --config.critic_dir=runs/smollm2/value_pretrain_seed1
   python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.shuffle_rewards=True \
       --config.workdir=runs/smollm2/grpo_shuffled_seed1
+and probes of a recipe under which the control stays flat, each in a folder named for what it changes:
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.actor_optim.lr=5e-6 \
+      --config.workdir=runs/smollm2/lr5e-6/grpo
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.shuffle_rewards=True \
+      --config.actor_optim.lr=5e-6 --config.workdir=runs/smollm2/lr5e-6/grpo_shuffled
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.shuffle_rewards=True --config.kl_coef=1.0 \
+      --config.eval_every=6 --config.workdir=runs/smollm2/kl1/grpo_shuffled
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.kl_coef=1.0 --config.eval_every=6 \
+      --config.workdir=runs/smollm2/kl1/grpo
 """
 
 from __future__ import annotations
@@ -68,7 +78,10 @@ ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GR
         "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5",
         "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)",
         "grpo_seed1": "GRPO, seed 1", "vcppo_seed1": "VC-PPO, seed 1",
-        "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)"}
+        "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)",
+        "lr5e-6/grpo": "GRPO, lr 5e-6", "lr5e-6/grpo_shuffled": "GRPO on shuffled rewards (control), lr 5e-6",
+        "kl1/grpo": "GRPO, KL to the instruct model (kl_coef 1)",
+        "kl1/grpo_shuffled": "GRPO on shuffled rewards (control), KL to the instruct model (kl_coef 1)"}
 # Method -> its arms on seeds 0, 1, ...: the gains are summarised across seeds.
 SEEDED = {"VC-PPO": ("vcppo", "vcppo_seed1"), "GRPO": ("grpo", "grpo_seed1"),
           "GRPO on shuffled rewards (control)": ("grpo_shuffled", "grpo_shuffled_seed1")}
@@ -87,6 +100,7 @@ ROLLOUT_KEYS = {"accuracy": "rollout/accuracy", "length": "rollout/response_leng
                 "clip_ratio": "rollout/clip_ratio", "entropy": "rollout/entropy"}
 ROLLOUT_WINDOW = 3
 LEARNING_FIGURE = "fig_real_model_learning.png"
+PROBE_FIGURE = "fig_real_model_probes.png"  # the probes' curves, kept like LEARNING_FIGURE while one is carried
 
 
 def load_runs(root: pathlib.Path) -> dict[str, list[dict[str, Any]]]:
@@ -168,8 +182,9 @@ def report_table(runs: dict, recipe) -> dict[str, Any]:
     arms = {}
     for arm, records in runs.items():
         row = plot_results.step0_and_last(records, EVAL_KEYS)
+        steps, passes = plot_results.series(records, EVAL_KEYS["pass@1"])
         row.update(label=ARMS[arm], rl_steps=max((r["step"] for r in records), default=0),
-                   rollouts=rollout_drift(records))
+                   rollouts=rollout_drift(records), pass_at_1_by_step=dict(zip(map(str, steps), passes.tolist())))
         if "pass@1_step0" in row and "pass@1_last" in row:
             row["pass@1_gain"] = row["pass@1_last"] - row["pass@1_step0"]
         if arm in CRITIC_ARMS:
@@ -233,6 +248,13 @@ def report_markdown(table: dict[str, Any]) -> str:
             spread = "" if s["gain_std"] is None else f" +- {pct(s['gain_std'])}"
             lines.append(f"| {method} | {len(s['arms'])} | {' / '.join(pct(g) for g in s['gains'])} "
                          f"| {pct(s['gain_mean'])}{spread} |")
+    between = {r["label"]: r["pass_at_1_by_step"] for r in table["arms"].values()
+               if len(r.get("pass_at_1_by_step", {})) > 2}
+    if between:
+        lines += _section("Greedy pass@1 at each evaluation", "The arms evaluated between step 0 and their last step.",
+                          ["arm", "pass@1 (%) at step: value"])
+        for label, by_step in between.items():
+            lines.append(f"| {label} | " + ", ".join(f"{s}: {pct(v)}" for s, v in by_step.items()) + " |")
     drifts = {r["label"]: r["rollouts"] for r in table["arms"].values() if r.get("rollouts")}
     if drifts:
         lines += _section("The training rollouts, first steps -> last steps",
@@ -287,24 +309,29 @@ def _num(v: float, tokens: float | None) -> str:
     return "-" if tokens == 0 else f"{v:+.2f}"
 
 
+def _is_probe(arm: str) -> bool:
+    """An arm probing a change of the recipe: its run sits in a folder named for the change (`kl1/grpo`)."""
+    return "/" in arm
+
+
 def _in_learning_figure(arm: str) -> bool:
-    """An arm whose curves the learning figure draws: not the one-step `ppo_step1*` arms (kept for their critic)."""
-    return not arm.startswith("ppo_step1")
+    """An arm whose curves the learning figure draws: not the one-step `ppo_step1*` arms (kept for their critic),
+    not the probes (`PROBE_FIGURE`)."""
+    return not arm.startswith("ppo_step1") and not _is_probe(arm)
 
 
-def plot_learning(runs: dict, path: pathlib.Path) -> pathlib.Path | None:
-    rl = {a: r for a, r in runs.items() if _in_learning_figure(a)}
-    if not rl:
+def plot_learning(runs: dict, path: pathlib.Path, title: str = "SmolLM2-135M-Instruct, word problems: RL from the "
+                  "instruct model (seed 0 unless the label says otherwise)") -> pathlib.Path | None:
+    if not runs:
         return None
-    tree = {a: {0: r} for a, r in rl.items()}
+    tree = {a: {0: r} for a, r in runs.items()}
     panels = [("eval/pass@1", 1, "greedy pass@1 (test problems)", "(a) test accuracy, greedy"),
               ("rollout/accuracy", 3, "accuracy of the training rollouts", "(b) sampled accuracy (3-step mean)"),
               ("eval/answer_rate", 1, "responses with a final answer", "(c) answer (format) rate, greedy"),
               ("rollout/response_length_mean", 3, "mean length (tokens)", "(d) training response length")]
-    arms = {a: (ARMS[a], f"C{i}") for i, a in enumerate(rl)}
+    arms = {a: (ARMS[a], f"C{i}") for i, a in enumerate(runs)}
     fig, axes = plot_results.band_panels(tree, arms, panels, (12, 8))
-    return plot_results._save(fig, list(axes.flat), path, "SmolLM2-135M-Instruct, word problems: RL from the "
-                              "instruct model (seed 0 unless the label says otherwise)")
+    return plot_results._save(fig, list(axes.flat), path, title)
 
 
 def plot_value_by_position(table: dict[str, Any], path: pathlib.Path) -> pathlib.Path | None:
@@ -356,7 +383,8 @@ def make_report(root: pathlib.Path, results: pathlib.Path,
                 learning_figure: str = LEARNING_FIGURE) -> list[pathlib.Path]:
     """The report from the runs under `root`, completed by the report already in `results` for arms whose runs are
     not here (`carry_over`). The learning figure draws runs' curves, which a carried row no longer has: with carried
-    arms it is written only under another name than `LEARNING_FIGURE`, which keeps the figure of the earlier runs."""
+    arms it is written only under another name than `LEARNING_FIGURE`, which keeps the figure of the earlier runs;
+    `PROBE_FIGURE` is redrawn only while every probe's run is here."""
     runs = load_runs(root)
     if not runs:
         raise SystemExit(f"error: no run of {tuple(ARMS)} under {root}")
@@ -368,13 +396,16 @@ def make_report(root: pathlib.Path, results: pathlib.Path,
     table["critic_stages"] = critic_stages(root, runs)
     carried = carry_over(table, previous, runs)
     js, md = plot_results.write_json_and_markdown(table, report_markdown(table), results, "real_model")
-    learning = None
+    learning = probes = None
     if learning_figure != LEARNING_FIGURE or not any(map(_in_learning_figure, carried)):
-        learning = plot_learning(runs, results / learning_figure)
+        learning = plot_learning({a: r for a, r in runs.items() if _in_learning_figure(a)}, results / learning_figure)
     else:
         print(f"[real_model_report] {LEARNING_FIGURE} kept: {', '.join(carried)} have no run under {root}; "
               "--learning-figure NAME draws the runs here")
-    figs = (learning, plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))
+    if not any(map(_is_probe, carried)):
+        probes = plot_learning({a: r for a, r in runs.items() if _is_probe(a)}, results / PROBE_FIGURE,
+                               "SmolLM2-135M-Instruct: probes of the recipe (seed 0), each beside its control")
+    figs = (learning, probes, plot_value_by_position(table, results / "fig_real_model_value_by_position.png"))
     return [p for p in (*figs, js, md) if p is not None]
 
 

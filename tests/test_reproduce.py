@@ -495,18 +495,21 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     rng = np.random.default_rng(3)
     truth = {}
     rollout = lambda s: {"rollout/accuracy": 0.1 * s, "rollout/response_length_mean": 9.0 + s}  # noqa: E731
-    for arm, steps in (("vcppo", 6), ("grpo", 4), ("grpo_seed1", 4), ("ppo_step1", 1)):
+    probe = "kl1/grpo_shuffled"  # a recipe probe, in a folder of its own, evaluated half way as well
+    for arm, steps in (("vcppo", 6), ("grpo", 4), ("grpo_seed1", 4), ("ppo_step1", 1), (probe, 4)):
         with MetricWriter(tmp_path / arm, tensorboard=False) as w:
-            evals = {s: {k: float(rng.uniform()) for k in real_model_report.EVAL_KEYS.values()} for s in (0, steps)}
+            at = (0, 2, steps) if arm == probe else (0, steps)
+            evals = {s: {k: float(rng.uniform()) for k in real_model_report.EVAL_KEYS.values()} for s in at}
             step1 = rollout(1)
-            if not arm.startswith("grpo"):
+            if "grpo" not in arm:
                 step1.update({f"diag/value_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/value_err_pos{i:02d}": float(rng.normal()) for i in range(4)})
                 step1.update({f"diag/tokens_pos{i:02d}": float(i < 3) for i in range(4)})  # the last bucket empty
             w.write(0, evals[0])
             for s in range(1, steps + 1):
                 w.write(s, step1 if s == 1 else rollout(s))
-            w.write(steps, evals[steps])
+                if s in evals:
+                    w.write(s, evals[s])
         truth[arm] = (evals, step1, steps)
     # The critic stages: value pretraining fit for 3 steps (converged at the last); the reward model has no metrics.
     fit = [{"value/loss": 0.5 - 0.1 * s, "value/explained_var": 0.1 * s, "value/mean": -0.2 * s,
@@ -522,9 +525,9 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
         (tmp_path / "results" / f"transformers_{name}.json").write_text(json.dumps(hf))
     paths = real_model_report.make_report(tmp_path, tmp_path / "results")
     assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_learning.png",
-                                       "fig_real_model_value_by_position.png"}
+                                       "fig_real_model_probes.png", "fig_real_model_value_by_position.png"}
     table = json.loads((tmp_path / "results" / "real_model.json").read_text())
-    assert set(table["arms"]) == {"vcppo", "grpo", "grpo_seed1", "ppo_step1"}  # arms without runs are left out
+    assert set(table["arms"]) == {"vcppo", "grpo", "grpo_seed1", "ppo_step1", probe}  # arms without runs: left out
     for arm, (evals, step1, steps) in truth.items():
         row = table["arms"][arm]
         assert row["rl_steps"] == steps
@@ -538,8 +541,9 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
                                                      "length_last": 14.0, "clip_ratio_first": None,
                                                      "clip_ratio_last": None, "entropy_first": None,
                                                      "entropy_last": None})
+        assert row["pass_at_1_by_step"] == pytest.approx({str(s): e["eval/pass@1"] for s, e in evals.items()})
         critic = row.get("critic_step1")
-        if arm.startswith("grpo"):
+        if "grpo" in arm:
             assert critic is None
             continue
         assert critic["value"] == [step1[f"diag/value_pos{i:02d}"] for i in range(4)]
@@ -573,18 +577,23 @@ def test_real_model_report_reads_each_arm_and_the_step1_critic(tmp_path):
     assert f"| {real_model_report.ARMS['vcppo']} | 20.0 -> 50.0 | 11.0 -> 14.0 | - -> - | - -> - |" in md
     assert md.count("\n| critic from the reward model: value |") == 1 and " - |" in md  # the empty bucket
     assert "(*)" not in md
+    by_step = ", ".join(f"{s}: {100 * e['eval/pass@1']:.1f}" for s, e in truth[probe][0].items())
+    assert f"| {real_model_report.ARMS[probe]} | {by_step} |" in md  # the one arm evaluated between 0 and its end
+    assert md.count("| 0: ") == 1
 
-    # The GRPO runs gone from the root: their rows, seeds and counts stay, marked; the learning figure is kept.
+    # The GRPO runs and the probe gone from the root: their rows, seeds and counts stay, marked; the learning and
+    # probe figures are kept.
     results = tmp_path / "results"
-    figure = (results / real_model_report.LEARNING_FIGURE).read_bytes()
-    for arm in ("grpo", "grpo_seed1"):
+    figures = {name: (results / name).read_bytes() for name in (real_model_report.LEARNING_FIGURE,
+                                                                real_model_report.PROBE_FIGURE)}
+    for arm in ("grpo", "grpo_seed1", probe):
         shutil.rmtree(tmp_path / arm)
     paths = real_model_report.make_report(tmp_path, results)
     assert {p.name for p in paths} == {"real_model.json", "real_model.md", "fig_real_model_value_by_position.png"}
-    assert (results / real_model_report.LEARNING_FIGURE).read_bytes() == figure
+    assert all((results / name).read_bytes() == data for name, data in figures.items())
     again = json.loads((results / "real_model.json").read_text())
-    assert list(again["arms"]) == ["vcppo", "grpo", "ppo_step1", "grpo_seed1"]  # the order of ARMS
-    for arm in ("grpo", "grpo_seed1"):
+    assert list(again["arms"]) == ["vcppo", "grpo", "ppo_step1", "grpo_seed1", probe]  # the order of ARMS
+    for arm in ("grpo", "grpo_seed1", probe):
         assert again["arms"][arm] == {**table["arms"][arm], "carried_from": table["provenance"]}
     assert again["arms"]["vcppo"] == table["arms"]["vcppo"] and again["seeds"] == table["seeds"]
     assert again["independent"] == table["independent"] and again["critic_stages"] == table["critic_stages"]
