@@ -43,7 +43,7 @@ and the second seed of the main arms (`SEEDED`), the same commands with `--confi
       --config.workdir=runs/smollm2/vcppo_seed1 --config.critic_dir=runs/smollm2/value_pretrain_seed1
   python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.shuffle_rewards=True \
       --config.workdir=runs/smollm2/grpo_shuffled_seed1
-and probes of a recipe under which the control stays flat, each in a folder named for what it changes:
+and probes for a recipe whose control stays flat (none found so far), each in a folder named for what it changes:
   python experiments/train.py --config=configs/smollm2.py:grpo --config.actor_optim.lr=5e-6 \
       --config.workdir=runs/smollm2/lr5e-6/grpo
   python experiments/train.py --config=configs/smollm2.py:grpo --config.shuffle_rewards=True \
