@@ -52,6 +52,14 @@ and probes for a recipe whose control stays flat (none found so far), each in a 
       --config.eval_every=6 --config.workdir=runs/smollm2/kl1/grpo_shuffled
   python experiments/train.py --config=configs/smollm2.py:grpo --config.kl_coef=1.0 --config.eval_every=6 \
       --config.workdir=runs/smollm2/kl1/grpo
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.shuffle_rewards=True \
+      --config.num_minibatches=8 --config.actor_optim.lr=2.5e-6 --config.actor_optim.warmup_steps=8 \
+      --config.eval_every=6 --config.num_steps=24 --config.workdir=runs/smollm2/mb8/grpo_shuffled
+  python experiments/train.py --config=configs/smollm2.py:grpo --config.num_minibatches=8 \
+      --config.actor_optim.lr=2.5e-6 --config.actor_optim.warmup_steps=8 --config.eval_every=6 \
+      --config.num_steps=24 --config.workdir=runs/smollm2/mb8/grpo
+(the mb8 runs were run to 12 steps, then resumed with --config.num_steps=18 and 24: a resumed run continues exactly
+where its checkpoint left it)
 """
 
 from __future__ import annotations
@@ -81,7 +89,9 @@ ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GR
         "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)",
         "lr5e-6/grpo": "GRPO, lr 5e-6", "lr5e-6/grpo_shuffled": "GRPO on shuffled rewards (control), lr 5e-6",
         "kl1/grpo": "GRPO, KL to the instruct model (kl_coef 1)",
-        "kl1/grpo_shuffled": "GRPO on shuffled rewards (control), KL to the instruct model (kl_coef 1)"}
+        "kl1/grpo_shuffled": "GRPO on shuffled rewards (control), KL to the instruct model (kl_coef 1)",
+        "mb8/grpo": "GRPO, 8 updates per step at lr 2.5e-6, 24 steps",
+        "mb8/grpo_shuffled": "GRPO on shuffled rewards (control), 8 updates per step at lr 2.5e-6, 24 steps"}
 # Method -> its arms on seeds 0, 1, ...: the gains are summarised across seeds.
 SEEDED = {"VC-PPO": ("vcppo", "vcppo_seed1"), "GRPO": ("grpo", "grpo_seed1"),
           "GRPO on shuffled rewards (control)": ("grpo_shuffled", "grpo_shuffled_seed1")}
