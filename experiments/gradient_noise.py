@@ -3,29 +3,38 @@ at a run's starting policy.
 
 The control's rewards are permuted across the batch, so a response's group-relative advantage is independent of
 the response and averages to zero over the permutations: the control's expected gradient is exactly zero, and all
-it does to the policy is the noise of a batch-sized gradient estimate. With real rewards one step's gradient is
-g = mu + noise, mu the expected gradient. From the gradients g_1..g_K of K independent batches at the same
-parameters (the batches of steps 0..K-1 of the run: its prompts, sampling keys and, for the control, its reward
-permutations), with G[i, j] = g_i . g_j,
+it does to the policy is the noise of a batch-sized gradient estimate. With real rewards a step's gradient is
+g = mu + noise, mu the expected gradient, and it is a sum over the step's n prompt groups, g = h_1 + ... + h_n (GRPO's
+advantages are relative to the group). Groups of different prompts are independent, so from the N = K n groups of
+K steps' batches (steps 0..K-1 of the run: its prompts, sampling keys and reward permutations) at the same
+parameters, with G[i, j] = h_i . h_j,
 
-  signal  ||mu||^2   ~ the mean of G's off-diagonal entries (independent batches: E[g_i . g_j] = ||mu||^2)
-  total   E||g||^2   ~ the mean of G's diagonal
-  noise              = total - signal
+  E[h] . E[h]   ~ the mean of G over pairs of distinct groups
+  E[h . h]      ~ the mean of G's diagonal
+  signal        = n^2 E[h] . E[h]                   (||mu||^2 of a batch gradient)
+  noise         = n (E[h . h] - E[h] . E[h])         (its expected squared distance from mu)
 
-and a sum of n steps' gradients has n^2 signal against n noise, so `steps_to_even` = noise / signal steps of this
-batch size make signal and noise equal. The standard errors are jackknife (leave one batch out).
+A sum of s steps' gradients has s^2 signal against s noise, so `steps_to_even` = noise / signal steps of this batch
+make the two equal. Groups whose rewards are all equal have a zero gradient; they count in N. Standard errors are
+jackknife over groups.
 
-  python experiments/gradient_noise.py --config=configs/smollm2.py:grpo --batches=8 \\
+Two metrics: 'euclidean' (the raw gradient) and 'adam', each coordinate divided by the root mean square of the K
+batch gradients there: the direction an Adam step takes early in a run (its second moment is a mean of squared
+gradients), so the signal fraction of what the optimizer moves, not of what the gradient's largest coordinates hold.
+
+  python experiments/gradient_noise.py --config=configs/smollm2.py:grpo --batches=10 \\
       --out=experiments/results/real_model/gradient_noise.json
 
-The gradient is the actor loss's (`rl.actor_loss_fn`, on-policy: the clip is inactive) over the step's whole batch,
-computed `num_minibatches` rows at a time. Needs a config without a critic (advantage 'group').
+The gradient is the actor loss's (`rl.actor_loss_fn`, on-policy: the clip is inactive) with advantage 'group' and
+no entropy, KL or NLL term. Each group's gradient (the model's size in float32) is kept on disk under --scratch
+until the statistics are read: about half of the groups have one, 0.5 GB each for SmolLM2-135M.
 """
 
-import functools
 import json
 import pathlib
+import tempfile
 import time
+from typing import Iterator
 
 import jax
 import numpy as np
@@ -42,129 +51,181 @@ from vcppo_jax.sampling import sampler_from_config
 
 FLAGS = flags.FLAGS
 ARMS = ("rewards", "shuffled")  # the verifier's rewards; the shuffled-reward control's
+METRICS = ("euclidean", "adam")
 
 
-def gram_stats(gram: np.ndarray) -> dict[str, float]:
-    """Signal and noise of a batch gradient from the Gram matrix [K, K] of K >= 3 independent batches' gradients.
+def signal_noise(gram: np.ndarray, num_groups: int, groups_per_batch: int) -> dict[str, float]:
+    """Signal and noise of a batch gradient (module docstring) from the Gram matrix [M, M] of the M nonzero group
+    gradients among `num_groups` >= 3 groups (the others are zero).
 
-    Returns signal (||mu||^2), total (E||g||^2), noise (total - signal), signal_fraction (signal / total),
-    steps_to_even (noise / signal: steps whose summed gradient has as much signal as noise; inf when the signal
-    estimate is not positive), mean_cosine (over pairs), and the jackknife standard errors signal_se,
-    signal_fraction_se."""
+    Returns signal, noise, signal_fraction (signal / (signal + noise)), steps_to_even (noise / signal; inf when the
+    signal estimate is not positive) and the jackknife standard errors signal_se, signal_fraction_se."""
     gram = np.asarray(gram, np.float64)
-    k = len(gram)
-    if gram.shape != (k, k) or k < 3:
-        raise ValueError(f"need a square Gram matrix of at least 3 gradients, got shape {gram.shape}")
+    m, n = len(gram), groups_per_batch
+    if gram.shape != (m, m) or num_groups < max(m, 3):
+        raise ValueError(f"need a square Gram matrix of at most num_groups ({num_groups} >= 3) gradients, "
+                         f"got shape {gram.shape}")
+    if np.trace(gram) <= 0:
+        raise ValueError("every gradient is zero: no group held both right and wrong answers")
 
-    def estimate(g: np.ndarray) -> tuple[float, float]:
-        n = len(g)
-        total = float(np.trace(g) / n)
-        return float((g.sum() - np.trace(g)) / (n * (n - 1))), total
+    def estimate(g: np.ndarray, groups: int) -> tuple[float, float]:
+        mean_sq, diag = np.trace(g) / groups, np.trace(g)
+        cross = (g.sum() - diag) / (groups * (groups - 1))
+        return n * n * cross, n * (mean_sq - cross)
 
-    signal, total = estimate(gram)
-    loo = np.array([estimate(np.delete(np.delete(gram, i, 0), i, 1)) for i in range(k)])  # [K, 2]
+    signal, noise = estimate(gram, num_groups)
+    # Leave one group out: each nonzero one, and (all alike) each of the zero ones.
+    loo = [estimate(np.delete(np.delete(gram, i, 0), i, 1), num_groups - 1) for i in range(m)]
+    loo += [estimate(gram, num_groups - 1)] * (num_groups - m)
+    loo = np.array(loo)  # [num_groups, 2]
 
     def jackknife_se(values: np.ndarray) -> float:
-        return float(np.sqrt((k - 1) / k * ((values - values.mean()) ** 2).sum()))
+        return float(np.sqrt((num_groups - 1) / num_groups * ((values - values.mean()) ** 2).sum()))
 
-    norms = np.sqrt(np.diag(gram))
-    cos = gram / np.outer(norms, norms)
-    return {"signal": signal, "total": total, "noise": total - signal, "signal_fraction": signal / total,
-            "steps_to_even": (total - signal) / signal if signal > 0 else float("inf"),
-            "mean_cosine": float((cos.sum() - k) / (k * (k - 1))),
-            "signal_se": jackknife_se(loo[:, 0]), "signal_fraction_se": jackknife_se(loo[:, 0] / loo[:, 1])}
+    return {"signal": float(signal), "noise": float(noise), "signal_fraction": float(signal / (signal + noise)),
+            "steps_to_even": float(noise / signal) if signal > 0 else float("inf"),
+            "signal_se": jackknife_se(loo[:, 0]), "signal_fraction_se": jackknife_se(loo[:, 0] / loo.sum(axis=1))}
 
 
-def gram_matrix(vectors: list[np.ndarray], block: int = 1 << 20) -> np.ndarray:
-    """[K, K] dot products of K flat float32 vectors, accumulated in float64 one block of coordinates at a time (a
-    float32 dot of 1e8 terms loses digits that a small signal fraction needs)."""
-    gram = np.zeros((len(vectors), len(vectors)))
-    for start in range(0, len(vectors[0]), block):
-        part = np.stack([v[start:start + block] for v in vectors]).astype(np.float64)
-        gram += part @ part.T
-    return gram
+def gram_matrices(rows: np.ndarray, batch_of_row: np.ndarray, num_batches: int,
+                  block: int = 1 << 20) -> dict[str, np.ndarray]:
+    """{'euclidean', 'adam'}: [M, M] dot products of the group gradients `rows` [M, num_params] (float32, e.g. a
+    memmap), raw and with each coordinate divided by the root mean square over the `num_batches` batch gradients
+    (the sums of each batch's rows, `batch_of_row` [M]; coordinates where all are zero stay zero). Accumulated in
+    float64 one block of coordinates at a time."""
+    m = len(rows)
+    out = {k: np.zeros((m, m)) for k in METRICS}
+    for start in range(0, rows.shape[1], block):
+        part = np.asarray(rows[:, start:start + block], np.float64)  # [M, block]
+        sq_sum = sum(part[batch_of_row == b].sum(axis=0) ** 2 for b in range(num_batches))
+        rms = np.sqrt(sq_sum / num_batches)
+        white = np.divide(part, rms, out=np.zeros_like(part), where=rms > 0)
+        out["euclidean"] += part @ part.T
+        out["adam"] += white @ white.T
+    return out
 
 
-def batch_gradient(grad_fn, params, experience: rl.Experience, *, num_chunks: int, agg_mode: str) -> np.ndarray:
-    """The flat gradient [num_params] of the loss over the whole batch, from `grad_fn(params, rows)` on
-    `num_chunks` equal row chunks, each weighted by its share of what `agg_mode` averages over."""
-    mask = np.asarray(experience.response_mask)
-    rows = len(mask) // num_chunks
-    # token-mean divides by the valid tokens, the seq-mean modes by the non-empty rows, the constant-norm mode by
-    # the rows (losses.aggregate).
+def group_gradients(grad_fn, params, experience: rl.Experience, *, group_size: int, agg_mode: str
+                    ) -> Iterator[tuple[int, np.ndarray]]:
+    """(group index, flat gradient [num_params]) of each group's share of the batch loss's gradient, for the groups
+    whose advantages are not all zero (the others' is zero): the batch gradient is their sum. `grad_fn(params, rows)`
+    is the gradient of the loss over those rows alone, weighted here by their share of what `agg_mode` averages over
+    (`losses.aggregate`: the valid tokens, the non-empty rows, or every row)."""
+    mask, adv = np.asarray(experience.response_mask), np.asarray(experience.advantages)
     counts = {"token-mean": mask.sum(axis=1), "seq-mean-token-sum-norm": np.ones(len(mask))}.get(
         agg_mode, (mask.sum(axis=1) > 0).astype(np.float64))
-    total = None
-    for c in range(num_chunks):
-        chunk = slice(c * rows, (c + 1) * rows)
-        weight = counts[chunk].sum() / max(counts.sum(), 1)
-        part = jax.tree.map(lambda x, chunk=chunk: x[chunk], experience)
-        flat = np.asarray(ravel_pytree(grad_fn(params, part))[0], np.float32) * np.float32(weight)
-        total = flat if total is None else total + flat
-    return total
+    for j in range(len(mask) // group_size):
+        rows = slice(j * group_size, (j + 1) * group_size)
+        if not np.any(adv[rows] * mask[rows]):
+            continue
+        part = jax.tree.map(lambda x, rows=rows: x[rows], experience)
+        weight = np.float32(counts[rows].sum() / max(counts.sum(), 1))
+        yield j, np.asarray(ravel_pytree(grad_fn(params, part))[0], np.float32) * weight
 
 
-def measure(config, num_batches: int, log=print) -> dict:
-    """Gradients of `num_batches` steps' batches at the config's starting policy, for the rewards and the control:
-    `gram_stats` per arm, and per batch its reward mean, mean response length and groups with a nonzero
-    advantage."""
-    if config_lib.has_critic(config):
-        raise app.UsageError("gradient_noise measures configs without a critic (advantage 'group')")
-    config = config.copy_and_resolve_references()
-    config.shuffle_rewards = False  # the collector's batches carry the real rewards; the control is derived below
-    config_lib.validate(config)
-    rt = rt_lib.make_runtime(config)
-    sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
-    models = rl_loop.Models.from_config(config, builders.model_config_from_json(sft_meta["model_config"], config))
-    tok, verifier = builders.tokenizer(config), builders.verifier(config)
-    train = builders.prompt_source(config, config.task.train_split, tok)
-    policy = builders.load_policy(config.sft_dir, rt.target(rt_lib.abstract_params(models.actor)))
-    state = rl_loop.init_state(policy, None, jax.random.PRNGKey(config.seed), models, kl_coef=config.kl_coef)
-    hp = rl.RLHparams.from_config(config)
-    sampler = sampler_from_config(models.actor, config.sampling, max_new_tokens=config.task.max_response_len,
-                                  eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id)
-    collect = rl_loop.rollout_collector(config, sampler, train, tok, verifier, rt)
-    experience_fn = jax.jit(rl.make_experience_fn(hp, models.actor, None))
-    loss_fn = rl.actor_loss_fn(hp, models.actor)
-    grad_fn = jax.jit(lambda params, mb: jax.grad(lambda p: loss_fn(p, mb)[0])(params))
-    gradient = functools.partial(batch_gradient, grad_fn, state.actor.params, num_chunks=config.num_minibatches,
-                                 agg_mode=config.loss_agg)
-    grads = {arm: [] for arm in ARMS}
-    batches = []
-    for step in range(num_batches):
-        start = time.perf_counter()
-        _, rollout, _ = collect(state.actor.params, step)
-        control = shuffle_rewards(rollout, np.random.default_rng([config.seed, step]), rt.local_rows(
-            config.prompts_per_step * config.group_size), rt)
-        info = {"step": step, "reward_mean": float(np.mean(rollout.seq_rewards)),
-                "response_length_mean": float(np.asarray(rollout.response_mask).sum(axis=1).mean())}
-        for arm, r in zip(ARMS, (rollout, control)):
-            experience, _ = experience_fn(state, rt.place_batch(r))
-            groups = np.asarray(r.seq_rewards).reshape(-1, config.group_size)
-            info[f"{arm}/groups_with_signal"] = int((groups.std(axis=1) > 0).sum())
-            grads[arm].append(gradient(experience))
-        info["seconds"] = round(time.perf_counter() - start, 1)
-        log(json.dumps(info))
-        batches.append(info)
-    out = {"batches": batches}
-    for arm in ARMS:
-        out[arm] = gram_stats(gram_matrix(grads[arm]))
-    return out
+class Setup:
+    """A config's starting policy, its step batches (`collect`) and the jitted experience and gradient functions."""
+
+    def __init__(self, config):
+        if config_lib.has_critic(config):
+            raise app.UsageError("gradient_noise measures configs without a critic (advantage 'group')")
+        if config.entropy_coef or config.kl_coef or config.nll_coef:
+            raise app.UsageError("gradient_noise measures the policy-gradient term alone: set entropy_coef, "
+                                 "kl_coef and nll_coef to 0")
+        config = config.copy_and_resolve_references()
+        config.shuffle_rewards = False  # batches carry the real rewards; the control is derived from them
+        config_lib.validate(config)
+        self.config, self.rt = config, rt_lib.make_runtime(config)
+        sft_meta = stage_meta.finished_meta(config.sft_dir, "sft")
+        models = rl_loop.Models.from_config(config,
+                                            builders.model_config_from_json(sft_meta["model_config"], config))
+        tok, verifier = builders.tokenizer(config), builders.verifier(config)
+        train = builders.prompt_source(config, config.task.train_split, tok)
+        policy = builders.load_policy(config.sft_dir, self.rt.target(rt_lib.abstract_params(models.actor)))
+        self.state = rl_loop.init_state(policy, None, jax.random.PRNGKey(config.seed), models, kl_coef=0.0)
+        hp = rl.RLHparams.from_config(config)
+        sampler = sampler_from_config(models.actor, config.sampling, max_new_tokens=config.task.max_response_len,
+                                      eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id)
+        self.collect = rl_loop.rollout_collector(config, sampler, train, tok, verifier, self.rt)
+        self.experience = jax.jit(rl.make_experience_fn(hp, models.actor, None))
+        loss_fn = rl.actor_loss_fn(hp, models.actor)
+        self.grad = jax.jit(lambda params, mb: jax.grad(lambda p: loss_fn(p, mb)[0])(params))
+        self.num_params = ravel_pytree(policy)[0].size
+
+    def batch(self, step: int, arm: str) -> rl.Rollout:
+        """Step `step`'s batch at the starting policy, with the verifier's or the control's rewards."""
+        c = self.config
+        _, rollout, _ = self.collect(self.state.actor.params, step)
+        if arm == "shuffled":
+            rows = self.rt.local_rows(c.prompts_per_step * c.group_size)
+            rollout = shuffle_rewards(rollout, np.random.default_rng([c.seed, step]), rows, self.rt)
+        return rollout
+
+
+def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=print) -> dict:
+    """`signal_noise` of both metrics for one arm over steps 0..num_batches-1, and per batch its reward mean, mean
+    response length and groups with a gradient."""
+    c = setup.config
+    groups = c.prompts_per_step
+    with tempfile.TemporaryDirectory(dir=scratch) as tmp:
+        rows = np.lib.format.open_memmap(pathlib.Path(tmp) / "rows.npy", mode="w+", dtype=np.float32,
+                                         shape=(num_batches * groups, setup.num_params))
+        batch_of_row, batches = [], []
+        for step in range(num_batches):
+            start = time.perf_counter()
+            rollout = setup.batch(step, arm)
+            experience, _ = setup.experience(setup.state, setup.rt.place_batch(rollout))
+            found = 0
+            for _, flat in group_gradients(setup.grad, setup.state.actor.params, experience,
+                                           group_size=c.group_size, agg_mode=c.loss_agg):
+                rows[len(batch_of_row)] = flat
+                batch_of_row.append(step)
+                found += 1
+            info = {"arm": arm, "step": step, "reward_mean": float(np.mean(rollout.seq_rewards)),
+                    "response_length_mean": float(np.asarray(rollout.response_mask).sum(axis=1).mean()),
+                    "groups_with_gradient": found, "seconds": round(time.perf_counter() - start, 1)}
+            log(json.dumps(info))
+            batches.append(info)
+        rows.flush()
+        grams = gram_matrices(rows[:len(batch_of_row)], np.array(batch_of_row, int), num_batches)
+        del rows
+    out = {metric: signal_noise(grams[metric], num_batches * groups, groups) for metric in METRICS}
+    return {**out, "batches": batches}
+
+
+def markdown(results: list[dict]) -> str:
+    """One table row per measurement, arm and metric: signal fraction, steps to even, groups with a gradient."""
+    lines = ["| policy | responses per step (prompts x group) | steps | rewards | metric | signal fraction (%) "
+             "| steps to even | groups with a gradient |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        shape = f"{r['batch_responses']} ({r['batch_responses'] // r['group_size']} x {r['group_size']})"
+        for arm in ARMS:
+            found = sum(b["groups_with_gradient"] for b in r[arm]["batches"])
+            total = r["num_batches"] * r["batch_responses"] // r["group_size"]
+            for metric in METRICS:
+                a = r[arm][metric]
+                even = f"{a['steps_to_even']:.0f}" if np.isfinite(a["steps_to_even"]) else "never (no signal)"
+                lines.append(f"| `{r['policy']}` | {shape} | {r['num_batches']} | {arm} | {metric} "
+                             f"| {100 * a['signal_fraction']:.2f} ± {100 * a['signal_fraction_se']:.2f} | {even} "
+                             f"| {found} of {total} |")
+    return "\n".join(lines)
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    if FLAGS.batches < 3:
-        raise app.UsageError(f"--batches must be at least 3, got {FLAGS.batches}")
     config, start = FLAGS.config, time.perf_counter()
-    result = measure(config, FLAGS.batches)
-    result = {"policy": config.sft_dir, "algorithm": config.algorithm, "batch_responses":
-              config.prompts_per_step * config.group_size, "group_size": config.group_size,
-              "num_batches": FLAGS.batches, **result, "seconds": round(time.perf_counter() - start),
-              "provenance": provenance.record()}
+    if FLAGS.batches * config.prompts_per_step < 3:
+        raise app.UsageError(f"--batches x prompts_per_step must be at least 3 groups, got {FLAGS.batches} x "
+                             f"{config.prompts_per_step}")
+    setup = Setup(config)
+    result = {"policy": config.sft_dir, "algorithm": config.algorithm,
+              "batch_responses": config.prompts_per_step * config.group_size, "group_size": config.group_size,
+              "num_batches": FLAGS.batches}
     for arm in ARMS:
-        print(arm, json.dumps(result[arm]))
+        result[arm] = measure_arm(setup, arm, FLAGS.batches, FLAGS.scratch)
+        print(arm, json.dumps({m: result[arm][m] for m in METRICS}), flush=True)
+    result.update(seconds=round(time.perf_counter() - start), provenance=provenance.record())
     if FLAGS.out:
         path = pathlib.Path(FLAGS.out)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -175,7 +236,8 @@ def define_flags() -> None:
     """The command line (defined here, not at import, so tests can import the statistics)."""
     config_flags.DEFINE_config_file("config", None, "An RL config without a critic (its policy, task, batch).",
                                     lock_config=False)
-    flags.DEFINE_integer("batches", 8, "Independent batches (steps 0.. of the run) per arm; at least 3.")
+    flags.DEFINE_integer("batches", 10, "Independent batches per arm: the run's steps 0.. at its starting policy.")
+    flags.DEFINE_string("scratch", tempfile.gettempdir(), "Where the group gradients are kept while measuring.")
     flags.DEFINE_string("out", None, "Write the result here (JSON).")
 
 
