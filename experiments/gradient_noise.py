@@ -34,7 +34,7 @@ import json
 import pathlib
 import tempfile
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import numpy as np
@@ -195,8 +195,8 @@ def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=prin
 
 def markdown(results: list[dict]) -> str:
     """One table row per measurement, arm and metric: signal fraction, steps to even, groups with a gradient."""
-    lines = ["| policy | responses per step (prompts x group) | steps | rewards | metric | signal fraction (%) "
-             "| steps to even | groups with a gradient |", "|---|---|---|---|---|---|---|---|"]
+    lines = [("| policy | responses per step (prompts x group) | steps | rewards | metric | signal fraction (%) "
+              "| steps to even | groups with a gradient |"), "|---|---|---|---|---|---|---|---|"]
     for r in results:
         shape = f"{r['batch_responses']} ({r['batch_responses'] // r['group_size']} x {r['group_size']})"
         for arm in ARMS:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import ml_collections
 
+import gradient_noise
 import plot_results
 import real_model_report
 import tpu_plans
@@ -337,6 +338,12 @@ def real_model_region() -> str:
     return "\n".join(lines + [""] + [f"{i}. {provenance_line(e.get('provenance'))}" for i, e in enumerate(entries, 1)])
 
 
+def gradient_noise_region() -> str:
+    results = [json.loads(f.read_text()) for f in sorted((RESULTS / "real_model").glob("gradient_noise*.json"))]
+    return "\n".join([gradient_noise.markdown(results), ""] + [f"{i}. {provenance_line(r.get('provenance'))}"
+                                                               for i, r in enumerate(results, 1)])
+
+
 def rollout_region() -> str:
     bench = _load("rollout/bench.json")
     s = bench["setup"]
@@ -384,6 +391,7 @@ DOCUMENTS: dict[str, dict[str, Callable[[], str]]] = {
                                              plot_results.mechanism_markdown),
         "real_model": real_model_region,
         "real_model_runs": study_region("real_model/real_model.json", real_model_report.report_markdown),
+        "gradient_noise": gradient_noise_region,
     },
     "experiments/BENCHMARKS.md": {
         "rollout": rollout_region,

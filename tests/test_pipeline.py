@@ -25,6 +25,7 @@ import pytest
 
 from testutil import random_params
 import config_files
+import gradient_noise
 from vcppo_jax import builders
 from vcppo_jax import checkpoint as ckpt_lib
 from vcppo_jax import rl
@@ -194,6 +195,22 @@ def test_vapo_is_vcppo_with_its_three_changes_and_runs(runs, root):
     stages.run_stage(config)
     train = [r for r in read_metrics(config.workdir) if "policy/clipfrac" in r]
     assert [r["step"] for r in train] == [1, 2] and all(math.isfinite(r["policy/nll_loss"]) for r in train)
+
+
+def test_gradient_noise_measures_the_runs_own_batches(runs, root, tmp_path):
+    """experiments/gradient_noise.py on the tiny GRPO run's config: its batch 0 is the run's first rollout (same
+    policy, prompts and sampling key), and the statistics count every group of every batch."""
+    config = tiny_config("grpo", root)
+    setup = gradient_noise.Setup(config)
+    got = gradient_noise.measure_arm(setup, "rewards", 3, str(tmp_path), log=lambda line: None)
+    first = read_metrics(runs["grpo"][0].workdir)[1]  # [0] is the evaluation at step 0
+    assert first["step"] == 1 and [b["step"] for b in got["batches"]] == [0, 1, 2]
+    assert got["batches"][0]["reward_mean"] == pytest.approx(first["rollout/reward_mean"], abs=1e-6)
+    assert got["batches"][0]["response_length_mean"] == pytest.approx(first["rollout/response_length_mean"])
+    assert all(0 <= b["groups_with_gradient"] <= config.prompts_per_step for b in got["batches"])
+    for metric in gradient_noise.METRICS:
+        assert got[metric]["noise"] > 0 and math.isfinite(got[metric]["signal_fraction_se"])
+    assert list(tmp_path.iterdir()) == []  # the group gradients are gone
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
