@@ -152,14 +152,15 @@ class Setup:
         self.grad = jax.jit(lambda params, mb: jax.grad(lambda p: loss_fn(p, mb)[0])(params))
         self.num_params = ravel_pytree(policy)[0].size
 
-    def batch(self, step: int, arm: str) -> rl.Rollout:
-        """Step `step`'s batch at the starting policy, with the verifier's or the control's rewards."""
+    def batch(self, step: int, arm: str) -> tuple[rl.Rollout, rl.Rollout]:
+        """Step `step`'s batch at the starting policy: with the verifier's rewards, and as the update trains on it
+        (the config's reward hooks, then for arm 'shuffled' the control's permutation)."""
         c = self.config
-        _, rollout, _ = self.collect(self.state.actor.params, step)
+        rollout, train_rollout, _ = self.collect(self.state.actor.params, step)
         if arm == "shuffled":
             rows = self.rt.local_rows(c.prompts_per_step * c.group_size)
-            rollout = shuffle_rewards(rollout, np.random.default_rng([c.seed, step]), rows, self.rt)
-        return rollout
+            train_rollout = shuffle_rewards(train_rollout, np.random.default_rng([c.seed, step]), rows, self.rt)
+        return rollout, train_rollout
 
 
 def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=print) -> dict:
@@ -173,8 +174,8 @@ def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=prin
         batch_of_row, batches = [], []
         for step in range(num_batches):
             start = time.perf_counter()
-            rollout = setup.batch(step, arm)
-            experience, _ = setup.experience(setup.state, setup.rt.place_batch(rollout))
+            rollout, train_rollout = setup.batch(step, arm)
+            experience, _ = setup.experience(setup.state, setup.rt.place_batch(train_rollout))
             found = 0
             for _, flat in group_gradients(setup.grad, setup.state.actor.params, experience,
                                            group_size=c.group_size, agg_mode=c.loss_agg):
