@@ -9,14 +9,14 @@ advantages are relative to the group). Groups of different prompts are independe
 K steps' batches (steps 0..K-1 of the run: its prompts, sampling keys and reward permutations) at the same
 parameters, with G[i, j] = h_i . h_j,
 
-  E[h] . E[h]   ~ the mean of G over pairs of distinct groups
+  E[h] . E[h]   ~ the mean of G over pairs of groups of different batches
   E[h . h]      ~ the mean of G's diagonal
   signal        = n^2 E[h] . E[h]                   (||mu||^2 of a batch gradient)
   noise         = n (E[h . h] - E[h] . E[h])         (its expected squared distance from mu)
 
 A sum of s steps' gradients has s^2 signal against s noise, so `steps_to_even` = noise / signal steps of this batch
 make the two equal. Groups whose rewards are all equal have a zero gradient; they count in N. Standard errors are
-jackknife over groups.
+jackknife over batches. The result JSON keeps each arm's Gram matrices.
 
 Two metrics: 'euclidean' (the raw gradient) and 'adam', each coordinate divided by the root mean square of the K
 batch gradients there: the direction an Adam step takes early in a run (its second moment is a mean of squared
@@ -54,33 +54,37 @@ ARMS = ("rewards", "shuffled")  # the verifier's rewards; the shuffled-reward co
 METRICS = ("euclidean", "adam")
 
 
-def signal_noise(gram: np.ndarray, num_groups: int, groups_per_batch: int) -> dict[str, float]:
+def signal_noise(gram: np.ndarray, batch_of_row: np.ndarray, num_batches: int, groups_per_batch: int
+                 ) -> dict[str, float]:
     """Signal and noise of a batch gradient (module docstring) from the Gram matrix [M, M] of the M nonzero group
-    gradients among `num_groups` >= 3 groups (the others are zero).
+    gradients of `num_batches` >= 3 batches of `groups_per_batch` groups (the others are zero); `batch_of_row` [M]:
+    each one's batch. E[h] . E[h] comes from pairs in different batches only: the 'adam' metric divides by a second
+    moment of the batch sums, which ties groups of one batch together; it is the same for a batch's gradients and
+    their negatives, so pairs across batches keep a zero mean without signal where a batch's noise is symmetric.
 
     Returns signal, noise, signal_fraction (signal / (signal + noise)), steps_to_even (noise / signal; inf when the
-    signal estimate is not positive) and the jackknife standard errors signal_se, signal_fraction_se."""
-    gram = np.asarray(gram, np.float64)
-    m, n = len(gram), groups_per_batch
-    if gram.shape != (m, m) or num_groups < max(m, 3):
-        raise ValueError(f"need a square Gram matrix of at most num_groups ({num_groups} >= 3) gradients, "
-                         f"got shape {gram.shape}")
+    signal estimate is not positive) and the jackknife standard errors (leave one batch out) signal_se,
+    signal_fraction_se."""
+    gram, batch_of_row = np.asarray(gram, np.float64), np.asarray(batch_of_row)
+    m, n, k = len(gram), groups_per_batch, num_batches
+    if gram.shape != (m, m) or batch_of_row.shape != (m,) or k < 3 or np.any(np.bincount(batch_of_row) > n):
+        raise ValueError(f"need a square Gram matrix of at most {n} gradients from each of num_batches >= 3 "
+                         f"batches, got shape {gram.shape} over {k} batches")
     if np.trace(gram) <= 0:
         raise ValueError("every gradient is zero: no group held both right and wrong answers")
+    other = batch_of_row[:, None] != batch_of_row[None, :]  # [M, M] pairs in different batches
 
-    def estimate(g: np.ndarray, groups: int) -> tuple[float, float]:
-        mean_sq, diag = np.trace(g) / groups, np.trace(g)
-        cross = (g.sum() - diag) / (groups * (groups - 1))
+    def estimate(kept: np.ndarray) -> tuple[float, float]:
+        rows, batches = kept[batch_of_row], kept.sum()
+        mean_sq = np.trace(gram[np.ix_(rows, rows)]) / (batches * n)
+        cross = (gram * other)[np.ix_(rows, rows)].sum() / (batches * (batches - 1) * n * n)
         return n * n * cross, n * (mean_sq - cross)
 
-    signal, noise = estimate(gram, num_groups)
-    # Leave one group out: each nonzero one, and (all alike) each of the zero ones.
-    loo = [estimate(np.delete(np.delete(gram, i, 0), i, 1), num_groups - 1) for i in range(m)]
-    loo += [estimate(gram, num_groups - 1)] * (num_groups - m)
-    loo = np.array(loo)  # [num_groups, 2]
+    signal, noise = estimate(np.ones(k, bool))
+    loo = np.array([estimate(np.arange(k) != b) for b in range(k)])  # [K, 2]
 
     def jackknife_se(values: np.ndarray) -> float:
-        return float(np.sqrt((num_groups - 1) / num_groups * ((values - values.mean()) ** 2).sum()))
+        return float(np.sqrt((k - 1) / k * ((values - values.mean()) ** 2).sum()))
 
     return {"signal": float(signal), "noise": float(noise), "signal_fraction": float(signal / (signal + noise)),
             "steps_to_even": float(noise / signal) if signal > 0 else float("inf"),
@@ -190,8 +194,10 @@ def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=prin
         rows.flush()
         grams = gram_matrices(rows[:len(batch_of_row)], np.array(batch_of_row, int), num_batches)
         del rows
-    out = {metric: signal_noise(grams[metric], num_batches * groups, groups) for metric in METRICS}
-    return {**out, "batches": batches}
+    batch_of_row = np.array(batch_of_row, int)
+    out = {metric: signal_noise(grams[metric], batch_of_row, num_batches, groups) for metric in METRICS}
+    return {**out, "batches": batches, "batch_of_row": batch_of_row.tolist(),
+            "gram": {metric: grams[metric].tolist() for metric in METRICS}}
 
 
 def markdown(results: list[dict]) -> str:

@@ -12,28 +12,34 @@ from vcppo_jax import losses, rl
 
 
 def test_signal_noise_closed_form():
-    """Every pair of M nonzero groups shares s, each has norm^2 t, the other N - M groups are zero."""
-    m, num, n, s, t = 5, 8, 4, 2.0, 10.0
-    got = gradient_noise.signal_noise(np.full((m, m), s) + np.eye(m) * (t - s), num, n)
-    cross, mean_sq = m * (m - 1) * s / (num * (num - 1)), m * t / num
+    """Every pair of nonzero groups shares s, each has norm^2 t; 3 batches of 4 groups hold 2, 1 and 2 nonzero ones.
+    Only the 16 (ordered) pairs in different batches count towards E[h] . E[h]."""
+    n, k, s, t = 4, 3, 2.0, 10.0
+    batch_of_row = np.array([0, 0, 1, 2, 2])
+    gram = np.full((5, 5), s) + np.eye(5) * (t - s)
+    got = gradient_noise.signal_noise(gram, batch_of_row, k, n)
+    cross, mean_sq = 2 * 8 * s / (k * (k - 1) * n * n), 5 * t / (k * n)
     assert got["signal"] == pytest.approx(n * n * cross) and got["noise"] == pytest.approx(n * (mean_sq - cross))
     assert got["signal_fraction"] == pytest.approx(n * cross / (n * cross + mean_sq - cross))
     assert got["steps_to_even"] == pytest.approx((mean_sq - cross) / (n * cross))
-    assert gradient_noise.signal_noise(np.eye(3), 3, 2)["steps_to_even"] == float("inf")  # no signal
+    three_in_one = gradient_noise.signal_noise(gram, np.array([0, 0, 0, 1, 2]), k, n)  # 25 - 9 - 1 - 1 pairs
+    assert three_in_one["signal"] == pytest.approx(14 * s / (k * (k - 1)))
+    assert gradient_noise.signal_noise(np.eye(3), np.arange(3), 3, 2)["steps_to_even"] == float("inf")
     with pytest.raises(ValueError, match="every gradient is zero"):
-        gradient_noise.signal_noise(np.zeros((3, 3)), 4, 2)
-    with pytest.raises(ValueError, match="at most num_groups"):
-        gradient_noise.signal_noise(np.eye(4), 3, 2)
+        gradient_noise.signal_noise(np.zeros((3, 3)), np.arange(3), 3, 2)
+    with pytest.raises(ValueError, match="at most 2 gradients"):
+        gradient_noise.signal_noise(np.eye(3), np.array([0, 0, 0]), 3, 2)
 
 
 def test_signal_noise_recovers_a_known_signal():
     """Half the groups zero, the others mu + unit Gaussian noise: a batch of n groups has signal n^2 ||mu / 2||^2
     and noise n (E||h||^2 - ||mu / 2||^2), within the jackknife errors."""
     rng = np.random.default_rng(0)
-    dim, num, n = 2000, 200, 8
+    dim, k, n = 2000, 25, 8
     mu = rng.normal(size=dim) * 0.3
-    rows = np.stack([mu + rng.normal(size=dim) for _ in range(num // 2)])
-    got = gradient_noise.signal_noise(rows @ rows.T, num, n)
+    batch_of_row = np.repeat(np.arange(k), n // 2)  # n / 2 nonzero groups in each batch
+    rows = np.stack([mu + rng.normal(size=dim) for _ in batch_of_row])
+    got = gradient_noise.signal_noise(rows @ rows.T, batch_of_row, k, n)
     mean = (mu / 2) @ (mu / 2)
     assert abs(got["signal"] - n * n * mean) < 3 * got["signal_se"]
     assert got["noise"] == pytest.approx(n * ((mu @ mu + dim) / 2 - mean), rel=0.05)
@@ -87,8 +93,8 @@ def test_group_gradients_sum_to_the_batch_gradient(agg_mode):
 
 
 def test_markdown_has_a_row_per_arm_and_metric():
-    stats = gradient_noise.signal_noise(np.full((4, 4), 1.0) + 3 * np.eye(4), 4, 2)
-    none = gradient_noise.signal_noise(np.eye(4), 4, 2)
+    stats = gradient_noise.signal_noise(np.full((4, 4), 1.0) + 3 * np.eye(4), np.arange(4), 4, 1)
+    none = gradient_noise.signal_noise(np.eye(4), np.arange(4), 4, 1)
     batches = [{"groups_with_gradient": 2}, {"groups_with_gradient": 2}]
     result = {"policy": "p", "batch_responses": 8, "group_size": 4, "num_batches": 2,
               "rewards": {"euclidean": stats, "adam": stats, "batches": batches},
@@ -96,5 +102,5 @@ def test_markdown_has_a_row_per_arm_and_metric():
     rows = gradient_noise.markdown([result]).split("\n")[2:]
     assert [tuple(r.split(" | ")[3:5]) for r in rows] == [(a, m) for a in gradient_noise.ARMS
                                                           for m in gradient_noise.METRICS]
-    assert rows[0].endswith("| 8 (2 x 4) | 2 | rewards | euclidean | 40.00 ± 0.00 | 2 | 4 of 4 |")
+    assert rows[0].endswith("| 8 (2 x 4) | 2 | rewards | euclidean | 25.00 ± 0.00 | 3 | 4 of 4 |")
     assert rows[3].endswith("| never (no signal) | 4 of 4 |")
