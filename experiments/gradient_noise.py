@@ -201,9 +201,12 @@ def measure_arm(setup: Setup, arm: str, num_batches: int, scratch: str, log=prin
 
 
 def markdown(results: list[dict]) -> str:
-    """One table row per measurement, arm and metric: signal fraction, steps to even, groups with a gradient."""
-    lines = [("| policy | responses per step (prompts x group) | steps | rewards | metric | signal fraction (%) "
-              "| steps to even | groups with a gradient |"), "|---|---|---|---|---|---|---|---|"]
+    """One table row per measurement, arm and metric: the signal fraction with its standard error, its bound at two
+    standard errors above the estimate and the fewest steps to even that bound allows, groups with a gradient."""
+    labels = {"rewards": "the verifier's rewards", "shuffled": "shuffled rewards (control)"}
+    lines = [("| policy | responses per step (prompts x group) | steps | trained on | metric | signal fraction (%) "
+              "| at most, 2 s.e. (%) | steps to even, at least | groups with a gradient |"),
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         shape = f"{r['batch_responses']} ({r['batch_responses'] // r['group_size']} x {r['group_size']})"
         for arm in ARMS:
@@ -211,10 +214,11 @@ def markdown(results: list[dict]) -> str:
             total = r["num_batches"] * r["batch_responses"] // r["group_size"]
             for metric in METRICS:
                 a = r[arm][metric]
-                even = f"{a['steps_to_even']:.0f}" if np.isfinite(a["steps_to_even"]) else "never (no signal)"
-                lines.append(f"| `{r['policy']}` | {shape} | {r['num_batches']} | {arm} | {metric} "
-                             f"| {100 * a['signal_fraction']:.2f} ± {100 * a['signal_fraction_se']:.2f} | {even} "
-                             f"| {found} of {total} |")
+                bound = a["signal_fraction"] + 2 * a["signal_fraction_se"]
+                steps = f"{(1 - bound) / bound:.0f}" if 0 < bound < 1 else "-"
+                lines.append(f"| `{r['policy']}` | {shape} | {r['num_batches']} | {labels[arm]} | {metric} "
+                             f"| {100 * a['signal_fraction']:.2f} ± {100 * a['signal_fraction_se']:.2f} "
+                             f"| {100 * bound:.2f} | {steps} | {found} of {total} |")
     return "\n".join(lines)
 
 
