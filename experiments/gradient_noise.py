@@ -226,9 +226,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     config, start = FLAGS.config, time.perf_counter()
-    if FLAGS.batches * config.prompts_per_step < 3:
-        raise app.UsageError(f"--batches x prompts_per_step must be at least 3 groups, got {FLAGS.batches} x "
-                             f"{config.prompts_per_step}")
+    if FLAGS.batches < 3:
+        raise app.UsageError(f"--batches must be at least 3 (the standard errors leave one out), got {FLAGS.batches}")
+    if not pathlib.Path(FLAGS.scratch).is_dir():
+        raise app.UsageError(f"--scratch {FLAGS.scratch!r} is not a directory")
     setup = Setup(config)
     result = {"policy": config.sft_dir, "algorithm": config.algorithm,
               "batch_responses": config.prompts_per_step * config.group_size, "group_size": config.group_size,

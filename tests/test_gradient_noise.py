@@ -1,6 +1,10 @@
 """experiments/gradient_noise.py's statistics: the estimator against closed forms and a known signal, the Adam
 metric's invariance to coordinate scales, and the group gradients against the one-shot gradient of the batch loss."""
 
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -104,3 +108,12 @@ def test_markdown_has_a_row_per_arm_and_metric():
     # signal 1, noise 3: a quarter, no spread; the fewest steps to even is noise / signal
     assert rows[0].endswith("| 8 (2 x 4) | 2 | the verifier's rewards | euclidean | 25.00 ± 0.00 | 25.00 | 3 | 4 of 4 |")
     assert rows[3].endswith("| shuffled rewards (control) | adam | 0.00 ± 0.00 | 0.00 | - | 4 of 4 |")
+
+
+@pytest.mark.parametrize("args, message", [(["--batches=2"], "--batches must be at least 3"),
+                                           (["--scratch=/nonexistent/dir"], "is not a directory")])
+def test_bad_flags_fail_before_anything_loads(args, message):
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "experiments/gradient_noise.py", "--config=configs/smollm2.py:grpo", *args],
+                         cwd=repo, capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode != 0 and message in out.stderr

@@ -199,7 +199,7 @@ def test_vapo_is_vcppo_with_its_three_changes_and_runs(runs, root):
 
 def test_gradient_noise_measures_the_runs_own_batches(runs, root, tmp_path):
     """experiments/gradient_noise.py on the tiny GRPO run's config: its batch 0 is the run's first rollout (same
-    policy, prompts and sampling key), and the statistics count every group of every batch."""
+    policy, prompts and sampling key); its scratch gradients are deleted once the statistics are read."""
     # The policy-gradient term alone; the tiny policy never answers right, so its groups differ only in the
     # length penalty of 'overlong' shaping. Neither changes what it samples: the batches are the run's.
     config = tiny_config("grpo", root, kl_coef=0.0, reward_shaping="overlong", overlong_buffer=4)
