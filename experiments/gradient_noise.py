@@ -27,11 +27,14 @@ gradients), so the signal fraction of what the optimizer moves, not of what the 
 
 The gradient is the actor loss's (`rl.actor_loss_fn`, on-policy: the clip is inactive) with advantage 'group' and
 no entropy, KL or NLL term. Each group's gradient (the model's size in float32) is kept on disk under --scratch
-until the statistics are read: about half of the groups have one, 0.5 GB each for SmolLM2-135M.
+until the statistics are read (removed then, or when the script stops on an error, Ctrl-C or SIGTERM): about half of
+the groups have one, 0.5 GB each for SmolLM2-135M.
 """
 
 import json
 import pathlib
+import signal
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -230,6 +233,8 @@ def main(argv):
         raise app.UsageError(f"--batches must be at least 3 (the standard errors leave one out), got {FLAGS.batches}")
     if not pathlib.Path(FLAGS.scratch).is_dir():
         raise app.UsageError(f"--scratch {FLAGS.scratch!r} is not a directory")
+    # SIGTERM exits through the scratch directory's cleanup instead of leaving gigabytes of gradients behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     setup = Setup(config)
     result = {"policy": config.sft_dir, "algorithm": config.algorithm,
               "batch_responses": config.prompts_per_step * config.group_size, "group_size": config.group_size,
