@@ -46,11 +46,10 @@ from jax.flatten_util import ravel_pytree
 from ml_collections import config_flags
 
 import provenance
-from vcppo_jax import builders, rl, rl_loop, stage_meta
+from vcppo_jax import builders, losses, rl, rl_loop, stage_meta
 from vcppo_jax import config as config_lib
 from vcppo_jax import runtime as rt_lib
 from vcppo_jax.rollout import shuffle_rewards
-from vcppo_jax.sampling import sampler_from_config
 
 FLAGS = flags.FLAGS
 ARMS = ("rewards", "shuffled")  # the verifier's rewards; the shuffled-reward control's
@@ -116,18 +115,20 @@ def group_gradients(grad_fn, params, experience: rl.Experience, *, group_size: i
                     ) -> Iterator[tuple[int, np.ndarray]]:
     """(group index, flat gradient [num_params]) of each group's share of the batch loss's gradient, for the groups
     whose advantages are not all zero (the others' is zero): the batch gradient is their sum. `grad_fn(params, rows)`
-    is the gradient of the loss over those rows alone, weighted here by their share of what `agg_mode` averages over
-    (`losses.aggregate`: the valid tokens, the non-empty rows, or every row)."""
+    is the gradient of the loss over those rows alone, weighted here by their share of the batch's aggregation
+    (`losses.aggregate` with `agg_mode`: the valid tokens, the non-empty rows, or every row)."""
     mask, adv = np.asarray(experience.response_mask), np.asarray(experience.advantages)
-    counts = {"token-mean": mask.sum(axis=1), "seq-mean-token-sum-norm": np.ones(len(mask))}.get(
-        agg_mode, (mask.sum(axis=1) > 0).astype(np.float64))
     for j in range(len(mask) // group_size):
         rows = slice(j * group_size, (j + 1) * group_size)
         if not np.any(adv[rows] * mask[rows]):
             continue
+        # The aggregation is linear in the token values: its value over the batch for ones on this group's tokens,
+        # over the group's value for them, is the group's share.
+        ones = np.zeros_like(mask)
+        ones[rows] = mask[rows]
+        weight = losses.aggregate(ones, mask, agg_mode) / losses.aggregate(mask[rows], mask[rows], agg_mode)
         part = jax.tree.map(lambda x, rows=rows: x[rows], experience)
-        weight = np.float32(counts[rows].sum() / max(counts.sum(), 1))
-        yield j, np.asarray(ravel_pytree(grad_fn(params, part))[0], np.float32) * weight
+        yield j, np.asarray(ravel_pytree(grad_fn(params, part))[0], np.float32) * np.float32(weight)
 
 
 class Setup:
@@ -150,12 +151,12 @@ class Setup:
         train = builders.prompt_source(config, config.task.train_split, tok)
         policy = builders.load_policy(config.sft_dir, self.rt.target(rt_lib.abstract_params(models.actor)))
         self.state = rl_loop.init_state(policy, None, jax.random.PRNGKey(config.seed), models, kl_coef=0.0)
-        hp = rl.RLHparams.from_config(config)
-        sampler = sampler_from_config(models.actor, config.sampling, max_new_tokens=config.task.max_response_len,
-                                      eos_id=builders.stop_ids(config, tok), pad_id=tok.pad_token_id)
-        self.collect = rl_loop.rollout_collector(config, sampler, train, tok, verifier, self.rt)
-        self.experience = jax.jit(rl.make_experience_fn(hp, models.actor, None))
-        loss_fn = rl.actor_loss_fn(hp, models.actor)
+        # The run's own sampler and experience programs, so the batches are the ones its steps would train on.
+        layout = rl_loop.abstract_state(config, models)
+        progs = rl_loop.programs(config, models, jax.tree.map(lambda x: x.sharding, self.rt.target(layout)), tok)
+        self.collect = rl_loop.rollout_collector(config, progs.sampler, train, tok, verifier, self.rt)
+        self.experience = progs.experience
+        loss_fn = rl.actor_loss_fn(rl.RLHparams.from_config(config), models.actor)
         self.grad = jax.jit(lambda params, mb: jax.grad(lambda p: loss_fn(p, mb)[0])(params))
         self.num_params = ravel_pytree(policy)[0].size
 

@@ -307,6 +307,11 @@ def provenance_line(block: dict | None) -> str:
     return "*Produced by " + " · ".join(cells) + note + ".*"
 
 
+def numbered_provenance(entries: list[dict]) -> list[str]:
+    """One numbered provenance line per result entry (a table whose rows come from several runs)."""
+    return [f"{i}. {provenance_line(e.get('provenance'))}" for i, e in enumerate(entries, 1)]
+
+
 def _demote(markdown: str) -> str:
     """A study's .md as a region: its title dropped, its sub-headings bold."""
     lines = markdown.strip("\n").split("\n")[1:]
@@ -335,13 +340,12 @@ def real_model_region() -> str:
                      f"| {e['num']} "
                      f"| {100 * e['pass@1']:.1f} | {100 * e['boxed_fraction']:.1f} | {100 * e['ended_fraction']:.1f} "
                      f"| {e['response_length_mean']:.1f} | {e['max_response_len']} |")
-    return "\n".join(lines + [""] + [f"{i}. {provenance_line(e.get('provenance'))}" for i, e in enumerate(entries, 1)])
+    return "\n".join(lines + [""] + numbered_provenance(entries))
 
 
 def gradient_noise_region() -> str:
     results = [json.loads(f.read_text()) for f in sorted((RESULTS / "real_model").glob("gradient_noise*.json"))]
-    return "\n".join([gradient_noise.markdown(results), ""] + [f"{i}. {provenance_line(r.get('provenance'))}"
-                                                               for i, r in enumerate(results, 1)])
+    return "\n".join([gradient_noise.markdown(results), ""] + numbered_provenance(results))
 
 
 def rollout_region() -> str:
