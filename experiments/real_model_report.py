@@ -37,17 +37,13 @@ and `ppo_step1_rm8`:
       --config.workdir=runs/smollm2/ppo_step1_rm8 --config.critic_dir=runs/smollm2/reward_model_rm8 \
       --config.stage_overrides.reward_model.max_steps=8 --config.stage_overrides.reward_model.min_steps=8 \
       --config.stage_overrides.reward_model.lr=3e-5
-and the other seeds of the main arms (`SEEDED`), the same commands with `--config.seed=1` (or 2) and their own
-directories:
+and the other seeds of the main arms (`SEEDED`), the same commands with `--config.seed=1` (and 2: `_seed2`) and
+their own directories:
   python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.workdir=runs/smollm2/grpo_seed1
   python experiments/train.py --config=configs/smollm2.py:vcppo --config.seed=1 \
       --config.workdir=runs/smollm2/vcppo_seed1 --config.critic_dir=runs/smollm2/value_pretrain_seed1
   python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.shuffle_rewards=True \
       --config.workdir=runs/smollm2/grpo_shuffled_seed1
-except that VC-PPO on seed 2 starts from seed 1's value-pretrained critic (`critic_dir` names that finished stage, so
-none is fit again; it saves the 41 minutes of a critic stage):
-  python experiments/train.py --config=configs/smollm2.py:vcppo --config.seed=2 \
-      --config.workdir=runs/smollm2/vcppo_seed2 --config.critic_dir=runs/smollm2/value_pretrain_seed1
 and probes for a recipe whose control stays flat (none found so far), each in a folder named for what it changes:
   python experiments/train.py --config=configs/smollm2.py:grpo --config.actor_optim.lr=5e-6 \
       --config.workdir=runs/smollm2/lr5e-6/grpo
@@ -92,7 +88,7 @@ ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GR
         "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)",
         "grpo_seed1": "GRPO, seed 1", "vcppo_seed1": "VC-PPO, seed 1",
         "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)",
-        "grpo_seed2": "GRPO, seed 2", "vcppo_seed2": "VC-PPO, seed 2 (seed 1's value-pretrained critic)",
+        "grpo_seed2": "GRPO, seed 2", "vcppo_seed2": "VC-PPO, seed 2",
         "grpo_shuffled_seed2": "GRPO on shuffled rewards, seed 2 (control)",
         "lr5e-6/grpo": "GRPO, lr 5e-6", "lr5e-6/grpo_shuffled": "GRPO on shuffled rewards (control), lr 5e-6",
         "kl1/grpo": "GRPO, KL to the instruct model (kl_coef 1)",
@@ -108,7 +104,7 @@ CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("cri
 # The critic arms' critic stages (their `critic_dir` under --root): how far each fit went before RL started.
 CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "ppo": "reward_model",
                  "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8",
-                 "vcppo_seed1": "value_pretrain_seed1", "vcppo_seed2": "value_pretrain_seed1"}
+                 "vcppo_seed1": "value_pretrain_seed1", "vcppo_seed2": "value_pretrain_seed2"}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
 # The training rollouts (sampled at the recipe's temperature), compared over the first and the last ROLLOUT_WINDOW
