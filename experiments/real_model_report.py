@@ -37,8 +37,8 @@ and `ppo_step1_rm8`:
       --config.workdir=runs/smollm2/ppo_step1_rm8 --config.critic_dir=runs/smollm2/reward_model_rm8 \
       --config.stage_overrides.reward_model.max_steps=8 --config.stage_overrides.reward_model.min_steps=8 \
       --config.stage_overrides.reward_model.lr=3e-5
-and the other seeds of the main arms (`SEEDED`), the same commands with `--config.seed=1` (and 2, 3: `_seed2`,
-`_seed3`) and their own directories:
+and the other seeds of the main arms (`SEEDED`), the same commands with `--config.seed=1` (and each seed of
+`SEEDS`: `_seed2`, `_seed3`) and their own directories:
   python experiments/train.py --config=configs/smollm2.py:grpo --config.seed=1 --config.workdir=runs/smollm2/grpo_seed1
   python experiments/train.py --config=configs/smollm2.py:vcppo --config.seed=1 \
       --config.workdir=runs/smollm2/vcppo_seed1 --config.critic_dir=runs/smollm2/value_pretrain_seed1
@@ -80,36 +80,33 @@ import config_files  # noqa: E402
 import plot_results  # noqa: E402
 from vcppo_jax.metrics import METRICS_FILE, read_metrics  # noqa: E402
 
+# The seeds the main arms were run on besides seed 0 (`<arm>_seed<s>`, VC-PPO's critic in `value_pretrain_seed<s>`).
+SEEDS = (1, 2, 3)
 # Run directory under --root -> label. `ppo_step1`: the PPO preset stopped after one step (its critic at step 1).
 ARMS = {"vcppo": "VC-PPO (value-pretrained critic, GAE 0.95 / 1.0)", "grpo": "GRPO",
         "ppo": "PPO (reward-model critic, GAE 0.95)", "ppo_step1": "PPO, first step only (reward-model critic)",
         "vcppo_shuffled": "VC-PPO on shuffled rewards (control)", "grpo_shuffled": "GRPO on shuffled rewards (control)",
         "vcppo_vp8": "VC-PPO, critic pretrained for 8 steps at lr 3e-5",
         "ppo_step1_rm8": "PPO, first step only (reward model fit for 8 steps at lr 3e-5)",
-        "grpo_seed1": "GRPO, seed 1", "vcppo_seed1": "VC-PPO, seed 1",
-        "grpo_shuffled_seed1": "GRPO on shuffled rewards, seed 1 (control)",
-        "grpo_seed2": "GRPO, seed 2", "vcppo_seed2": "VC-PPO, seed 2",
-        "grpo_shuffled_seed2": "GRPO on shuffled rewards, seed 2 (control)",
-        "grpo_seed3": "GRPO, seed 3", "vcppo_seed3": "VC-PPO, seed 3",
-        "grpo_shuffled_seed3": "GRPO on shuffled rewards, seed 3 (control)",
+        **{arm: label for s in SEEDS for arm, label in (
+            (f"grpo_seed{s}", f"GRPO, seed {s}"), (f"vcppo_seed{s}", f"VC-PPO, seed {s}"),
+            (f"grpo_shuffled_seed{s}", f"GRPO on shuffled rewards, seed {s} (control)"))},
         "lr5e-6/grpo": "GRPO, lr 5e-6", "lr5e-6/grpo_shuffled": "GRPO on shuffled rewards (control), lr 5e-6",
         "kl1/grpo": "GRPO, KL to the instruct model (kl_coef 1)",
         "kl1/grpo_shuffled": "GRPO on shuffled rewards (control), KL to the instruct model (kl_coef 1)",
         "mb8/grpo": "GRPO, 8 updates per step at lr 2.5e-6, 24 steps",
         "mb8/grpo_shuffled": "GRPO on shuffled rewards (control), 8 updates per step at lr 2.5e-6, 24 steps"}
 # Method -> its arms on seeds 0, 1, ...: the gains are summarised across seeds.
-SEEDED = {"VC-PPO": ("vcppo", "vcppo_seed1", "vcppo_seed2", "vcppo_seed3"),
-          "GRPO": ("grpo", "grpo_seed1", "grpo_seed2", "grpo_seed3"),
-          "GRPO on shuffled rewards (control)": ("grpo_shuffled", "grpo_shuffled_seed1", "grpo_shuffled_seed2",
-                                                 "grpo_shuffled_seed3")}
+SEEDED = {method: (arm, *(f"{arm}_seed{s}" for s in SEEDS))
+          for method, arm in (("VC-PPO", "vcppo"), ("GRPO", "grpo"),
+                              ("GRPO on shuffled rewards (control)", "grpo_shuffled"))}
 CRITIC_ARMS = {"ppo_step1": ("critic from the reward model", "C3"), "ppo": ("critic from the reward model", "C3"),
                "vcppo": ("value-pretrained critic", "C0"), "vcppo_vp8": ("value-pretrained critic, 8 steps", "C1"),
                "ppo_step1_rm8": ("critic from the reward model, 8 steps", "C5")}
 # The critic arms' critic stages (their `critic_dir` under --root): how far each fit went before RL started.
 CRITIC_STAGES = {"vcppo": "value_pretrain", "vcppo_vp8": "value_pretrain_vp8", "ppo": "reward_model",
                  "ppo_step1": "reward_model", "ppo_step1_rm8": "reward_model_rm8",
-                 "vcppo_seed1": "value_pretrain_seed1", "vcppo_seed2": "value_pretrain_seed2",
-                 "vcppo_seed3": "value_pretrain_seed3"}
+                 **{f"vcppo_seed{s}": f"value_pretrain_seed{s}" for s in SEEDS}}
 EVAL_KEYS = {"pass@1": "eval/pass@1", "answer_rate": "eval/answer_rate", "clip_ratio": "eval/clip_ratio",
              "response_length": "eval/response_length_mean"}
 # The training rollouts (sampled at the recipe's temperature), compared over the first and the last ROLLOUT_WINDOW
